@@ -1,0 +1,275 @@
+"""Typed settings read from LMCache's ``extra_config`` (keys ``tiered.*``).
+
+Every setting has one entry in :data:`SETTINGS` (name, parser, default, help),
+so an unknown key, a bad type or a bad path gives one :class:`ConfigError` that
+names the key and says how to fix it. LMCache only logs a plugin's constructor
+error, so the backend also logs these at ERROR before re-raising.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFIX = "tiered."
+GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A ``tiered.*`` setting is missing, unknown or has a bad value."""
+
+
+def _parse_paths(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        items = [p.strip() for p in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        items = [str(p).strip() for p in value]
+    else:
+        raise ConfigError(
+            f"{key}: expected a list of directories or a comma-separated string, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    paths = tuple(os.path.abspath(os.path.expanduser(p)) for p in items if p)
+    if not paths:
+        raise ConfigError(f"{key}: no directory given; list one directory per device")
+    if len(set(paths)) != len(paths):
+        raise ConfigError(f"{key}: a directory is listed twice: {list(paths)}")
+    return paths
+
+
+def _parse_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+    return number
+
+
+def _parse_int(key: str, value: Any) -> int:
+    number = _parse_float(key, value)
+    if number != int(number):
+        raise ConfigError(f"{key}: expected a whole number, got {value!r}")
+    return int(number)
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _choice(*choices: str) -> Callable[[str, Any], str]:
+    def parse(key: str, value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ConfigError(
+                f"{key}: expected one of {', '.join(choices)}, got {value!r}"
+            )
+        return text
+
+    return parse
+
+
+def _positive(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    def parse_positive(key: str, value: Any) -> Any:
+        number = parse(key, value)
+        if number <= 0:
+            raise ConfigError(f"{key}: must be greater than 0, got {value!r}")
+        return number
+
+    return parse_positive
+
+
+def _parse_mode(key: str, value: Any) -> int:
+    """Octal permission bits: "0660" (string) or an int as YAML may give it."""
+    try:
+        mode = value if isinstance(value, int) else int(str(value), 8)
+    except ValueError:
+        raise ConfigError(f"{key}: expected octal permission bits like 0600") from None
+    if not 0 <= mode <= 0o777 or isinstance(mode, bool):
+        raise ConfigError(f"{key}: expected octal permission bits like 0600")
+    return mode
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One ``tiered.*`` key: how to parse it, its default and what it means."""
+
+    parse: Callable[[str, Any], Any]
+    default: Any
+    help: str
+
+
+#: Every accepted key (without the ``tiered.`` prefix). Warm-up policy
+#: parameters (``tiered.warmup.<policy>.<param>``) are passed to the policy.
+SETTINGS: dict[str, Setting] = {
+    "warm.paths": Setting(
+        _parse_paths, None, "directories of the warm tier, one per NVMe device"
+    ),
+    "warm.capacity_gb": Setting(
+        _positive(_parse_float), 100.0, "cap on bytes stored by the warm tier (host)"
+    ),
+    "cold.paths": Setting(
+        _parse_paths, None, "directories of the cold tier (NVMe-oF, shared FS)"
+    ),
+    "cold.capacity_gb": Setting(
+        _positive(_parse_float), 1000.0, "cap on bytes stored by the cold tier"
+    ),
+    "io_engine": Setting(
+        _choice("auto", "uring", "threads"), "auto", "auto | uring | threads"
+    ),
+    "queue_depth": Setting(
+        _positive(_parse_int), 64, "I/O requests kept in flight per tier"
+    ),
+    "stripe_kb": Setting(
+        _positive(_parse_int), 1024, "stripe unit in KiB (multiple of 4)"
+    ),
+    "direct_io": Setting(_parse_bool, True, "use O_DIRECT (page cache bypass)"),
+    "slot_mb": Setting(
+        _positive(_parse_float),
+        None,
+        "largest chunk in MiB; default: LMCache's full chunk size",
+    ),
+    "verify_reads": Setting(
+        _parse_bool, True, "check each chunk's CRC32 before serving it"
+    ),
+    "fsync": Setting(
+        _parse_bool,
+        False,
+        "fdatasync each write batch before it is acknowledged (power-loss safe)",
+    ),
+    "file_mode": Setting(
+        _parse_mode,
+        0o600,
+        "permission bits of data files, octal (0660 for a group-shared tier)",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    """Where one tier lives and how much it may hold."""
+
+    name: str
+    paths: tuple[str, ...]
+    capacity_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TieredConfig:
+    """All settings of the plugin, parsed and validated."""
+
+    warm: TierSettings
+    cold: TierSettings | None = None
+    io_engine: str = "auto"
+    queue_depth: int = 64
+    stripe_bytes: int = 1 << 20
+    direct_io: bool = True
+    slot_bytes: int | None = None
+    verify_reads: bool = True
+    fsync: bool = False
+    file_mode: int = 0o600
+    #: ``tiered.warmup.*`` keys, prefix stripped, for the warm-up layer.
+    warmup: Mapping[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def from_extra_config(extra_config: Mapping[str, Any] | None) -> TieredConfig:
+        """Parse the ``tiered.*`` keys of LMCache's ``extra_config``."""
+        raw = {
+            k[len(PREFIX) :]: v
+            for k, v in (extra_config or {}).items()
+            if k.startswith(PREFIX)
+        }
+        warmup = {
+            k[len("warmup.") :]: v for k, v in raw.items() if k.startswith("warmup.")
+        }
+        unknown = sorted(
+            k for k in raw if k not in SETTINGS and not k.startswith("warmup.")
+        )
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, SETTINGS, n=1)
+            hint = f" Did you mean {PREFIX}{close[0]}?" if close else ""
+            raise ConfigError(
+                f"unknown setting {PREFIX}{key}.{hint} Known settings: "
+                + ", ".join(PREFIX + k for k in SETTINGS)
+            )
+        values = {
+            name: setting.parse(PREFIX + name, raw[name])
+            if name in raw
+            else setting.default
+            for name, setting in SETTINGS.items()
+        }
+        if values["warm.paths"] is None:
+            raise ConfigError(
+                f"{PREFIX}warm.paths is required: list one directory per NVMe "
+                'device, e.g. tiered.warm.paths: ["/mnt/nvme0/kv", "/mnt/nvme1/kv"]'
+            )
+        stripe_kb = values["stripe_kb"]
+        if stripe_kb % 4:
+            raise ConfigError(
+                f"{PREFIX}stripe_kb: must be a multiple of 4 (O_DIRECT alignment), "
+                f"got {stripe_kb}"
+            )
+        warm = _tier("warm", values)
+        cold = _tier("cold", values) if values["cold.paths"] is not None else None
+        if cold is not None:
+            shared = set(warm.paths) & set(cold.paths)
+            if shared:
+                raise ConfigError(
+                    f"{PREFIX}cold.paths: {sorted(shared)} is also a warm path; "
+                    "give each tier its own directories"
+                )
+        slot_mb = values["slot_mb"]
+        return TieredConfig(
+            warm=warm,
+            cold=cold,
+            io_engine=values["io_engine"],
+            queue_depth=values["queue_depth"],
+            stripe_bytes=stripe_kb * 1024,
+            direct_io=values["direct_io"],
+            slot_bytes=None if slot_mb is None else int(slot_mb * (1 << 20)),
+            verify_reads=values["verify_reads"],
+            fsync=values["fsync"],
+            file_mode=values["file_mode"],
+            warmup=warmup,
+        )
+
+
+def _tier(name: str, values: Mapping[str, Any]) -> TierSettings:
+    paths = values[f"{name}.paths"]
+    for path in paths:
+        check_directory(f"{PREFIX}{name}.paths", path)
+    return TierSettings(
+        name=name,
+        paths=paths,
+        capacity_bytes=int(values[f"{name}.capacity_gb"] * GIB),
+    )
+
+
+def check_directory(key: str, path: str) -> None:
+    """Raise a ConfigError unless ``path`` is an existing, writable directory."""
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"{key}: {path} does not exist; create it on the device's file system "
+            f"(mkdir -p {path}) or fix the path"
+        )
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{key}: {path} is not writable by this process (uid {os.getuid()}); "
+            "fix its owner or permissions"
+        )

@@ -1,0 +1,77 @@
+"""The one small protocol every I/O engine speaks.
+
+A tier turns each chunk read or write into a batch of :class:`IORequest`
+(file, offset, buffer) and hands the whole batch to an engine at once, so the
+engine can keep every device busy. Engines differ only in how they move the
+bytes (io_uring, a thread pool); the tier never knows which one it has.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+#: Alignment for O_DIRECT buffers, offsets and lengths (safe on every NVMe).
+ALIGN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class IORequest:
+    """One contiguous transfer between a registered file and a buffer.
+
+    ``file`` is the index of the file in the engine's ``fds`` (not an fd), so
+    engines can use registered (fixed) files. For O_DIRECT, ``offset``,
+    ``len(buffer)`` and the buffer's address must be multiples of
+    :data:`ALIGN`.
+    """
+
+    file: int
+    offset: int
+    buffer: memoryview
+
+
+class IOEngine(abc.ABC):
+    """Moves batches of :class:`IORequest` between memory and files.
+
+    Thread-safe: several threads may submit at once. ``submit`` never blocks on
+    the I/O itself; it returns a future that resolves, once every request of
+    the batch has completed, to one result per request: the number of bytes
+    transferred (short at end of file) or ``-errno``. A failed request never
+    raises; the caller decides what a short or failed transfer means.
+    """
+
+    #: Short name shown in logs and benchmark reports.
+    name: str = "abstract"
+
+    def __init__(self, fds: Sequence[int], queue_depth: int) -> None:
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        self.fds = list(fds)
+        self.queue_depth = queue_depth
+
+    @abc.abstractmethod
+    def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
+        """Start every request of the batch (up to ``queue_depth`` in flight)."""
+
+    def read(self, requests: Sequence[IORequest]) -> list[int]:
+        """Blocking read of a batch: ``submit(requests, write=False).result()``."""
+        return self.submit(requests, write=False).result()
+
+    def write(self, requests: Sequence[IORequest]) -> list[int]:
+        """Blocking write of a batch: ``submit(requests, write=True).result()``."""
+        return self.submit(requests, write=True).result()
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for in-flight requests, then release the engine's resources.
+
+        The file descriptors belong to the caller and stay open.
+        """
+
+    def __enter__(self) -> IOEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,226 @@
+"""On-disk record format and slot geometry of a tier.
+
+A tier keeps, per worker process, one *slab* file on each of its N devices and
+one *header* file on the first device::
+
+    <path_i>/<name>.slab   slot s occupies [s * per_device, (s + 1) * per_device)
+    <path_0>/<name>.hdr    4 KiB superblock, then one 4 KiB header per slot
+
+A chunk's payload is striped over the devices in units of ``stripe`` bytes
+(unit u lands on device u % N), so one chunk read keeps every device busy. The
+header is written only after the payload, and carries the payload's CRC32 and
+its own: a record whose write did not finish is never served.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat
+
+from lmcache_tiered.io.base import ALIGN
+from lmcache_tiered.keys import DIGEST_SIZE, key_digest, key_from_string
+
+HEADER_SIZE = ALIGN
+FORMAT_VERSION = 1
+RECORD_MAGIC = b"LMTRREC1"
+SUPER_MAGIC = b"LMTRSUP1"
+MAX_DIMS = 8
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+# magic, version, fmt, payload size, payload crc, sequence, time (ns), digest,
+# ndim, dtype length, key length
+_RECORD = struct.Struct(f"<8sHHQIQQ{DIGEST_SIZE}sBBH")
+# magic, version, devices, stripe, per-device slot bytes, max payload bytes
+_SUPER = struct.Struct("<8sHHQQQ")
+_CRC = struct.Struct("<I")
+
+
+def align_up(n: int, alignment: int = ALIGN) -> int:
+    return -(-n // alignment) * alignment
+
+
+class CorruptRecord(ValueError):
+    """Bytes on disk that are not a valid record: treat as a miss."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordHeader:
+    """What a tier needs to know about a stored chunk without reading it."""
+
+    key: CacheEngineKey
+    shape: torch.Size
+    dtype: torch.dtype
+    fmt: MemoryFormat
+    payload_size: int
+    payload_crc: int
+    sequence: int
+    created_ns: int
+
+    def encode(self) -> bytes:
+        """The header as one zero-padded, CRC-protected 4 KiB block."""
+        dtype_name = str(self.dtype).removeprefix("torch.").encode()
+        key_text = self.key.to_string().encode()
+        fixed = _RECORD.pack(
+            RECORD_MAGIC,
+            FORMAT_VERSION,
+            self.fmt.value,
+            self.payload_size,
+            self.payload_crc,
+            self.sequence,
+            self.created_ns,
+            key_digest(self.key),
+            len(self.shape),
+            len(dtype_name),
+            len(key_text),
+        )
+        body = (
+            fixed
+            + struct.pack(f"<{len(self.shape)}Q", *self.shape)
+            + dtype_name
+            + key_text
+        )
+        if len(body) + _CRC.size > HEADER_SIZE:
+            raise ValueError(f"key too long for a record header: {len(key_text)} B")
+        return (body + _CRC.pack(zlib.crc32(body))).ljust(HEADER_SIZE, b"\0")
+
+    @staticmethod
+    def decode(block: bytes | memoryview, max_payload: int) -> RecordHeader:
+        """Parse and validate a header block; raise CorruptRecord if bad.
+
+        Sizes are checked before anything is trusted, so a crafted header
+        cannot make the reader allocate more than ``max_payload`` bytes.
+        """
+        block = bytes(block[:HEADER_SIZE])
+        if len(block) < _RECORD.size or block[:8] != RECORD_MAGIC:
+            raise CorruptRecord("no record magic")
+        (_, version, fmt, size, crc, seq, created, digest, ndim, dlen, klen) = (
+            _RECORD.unpack_from(block)
+        )
+        if version != FORMAT_VERSION:
+            raise CorruptRecord(f"record format version {version}")
+        end = _RECORD.size + 8 * ndim + dlen + klen
+        if ndim > MAX_DIMS or end + _CRC.size > HEADER_SIZE:
+            raise CorruptRecord("header fields out of range")
+        (stored_crc,) = _CRC.unpack_from(block, end)
+        if zlib.crc32(block[:end]) != stored_crc:
+            raise CorruptRecord("header checksum mismatch")
+        shape = torch.Size(struct.unpack_from(f"<{ndim}Q", block, _RECORD.size))
+        offset = _RECORD.size + 8 * ndim
+        dtype = _DTYPES.get(block[offset : offset + dlen].decode(errors="replace"))
+        if dtype is None:
+            raise CorruptRecord("unknown dtype")
+        try:
+            key = key_from_string(block[offset + dlen : end].decode())
+            memory_format = MemoryFormat(fmt)
+        except (ValueError, KeyError, UnicodeDecodeError) as exc:
+            raise CorruptRecord(f"bad key or format: {exc}") from None
+        if key_digest(key) != digest:
+            raise CorruptRecord("key digest mismatch")
+        if size > max_payload or shape.numel() * dtype.itemsize != size:
+            raise CorruptRecord("payload size does not match shape or slot")
+        return RecordHeader(key, shape, dtype, memory_format, size, crc, seq, created)
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """One stripe unit of a record: ``length`` bytes of the payload starting at
+    ``start``, stored on ``device`` at byte ``offset`` of its slab."""
+
+    device: int
+    offset: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """How slots map onto the devices of a tier. Fixed for a tier's lifetime
+    (kept in the superblock); a different one on restart means reformat."""
+
+    devices: int
+    stripe: int
+    per_device: int
+    max_payload: int
+
+    @staticmethod
+    def plan(devices: int, max_stripe: int, max_payload: int) -> Geometry:
+        """Smallest per-device slot that holds ``max_payload`` bytes.
+
+        The stripe unit is at most ``max_stripe`` and chosen so the payload
+        splits into whole rows of ``devices`` units: with 3 devices and 1 MiB
+        stripes, a 4 MiB chunk uses 6 units of 700 KiB, not 4 MiB per device
+        and 2 MiB of waste.
+        """
+        rows = -(-max_payload // (devices * max_stripe))
+        stripe = align_up(-(-max_payload // (devices * rows)))
+        return Geometry(devices, stripe, rows * stripe, max_payload)
+
+    @property
+    def slot_disk_bytes(self) -> int:
+        """Bytes one slot costs on disk, header included."""
+        return self.per_device * self.devices + HEADER_SIZE
+
+    def extents(self, slot: int, payload_size: int) -> list[Extent]:
+        """The stripe units of a record of ``payload_size`` bytes in ``slot``."""
+        base = slot * self.per_device
+        return [
+            Extent(
+                device=unit % self.devices,
+                offset=base + (unit // self.devices) * self.stripe,
+                start=start,
+                length=min(self.stripe, payload_size - start),
+            )
+            for unit, start in enumerate(range(0, payload_size, self.stripe))
+        ]
+
+    @staticmethod
+    def header_offset(slot: int) -> int:
+        return HEADER_SIZE * (slot + 1)
+
+    def encode_superblock(self) -> bytes:
+        body = _SUPER.pack(
+            SUPER_MAGIC,
+            FORMAT_VERSION,
+            self.devices,
+            self.stripe,
+            self.per_device,
+            self.max_payload,
+        )
+        return (body + _CRC.pack(zlib.crc32(body))).ljust(HEADER_SIZE, b"\0")
+
+    @staticmethod
+    def decode_superblock(block: bytes | memoryview) -> Geometry | None:
+        """The geometry a header file was written with, or None if unreadable."""
+        block = bytes(block[: _SUPER.size + _CRC.size])
+        if len(block) < _SUPER.size + _CRC.size:
+            return None
+        (stored_crc,) = _CRC.unpack_from(block, _SUPER.size)
+        if zlib.crc32(block[: _SUPER.size]) != stored_crc:
+            return None
+        magic, version, devices, stripe, per_device, max_payload = _SUPER.unpack_from(
+            block
+        )
+        if magic != SUPER_MAGIC or version != FORMAT_VERSION:
+            return None
+        return Geometry(devices, stripe, per_device, max_payload)

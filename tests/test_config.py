@@ -1,0 +1,149 @@
+"""The settings parser: every bad value is one clear error naming the key."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmcache_tiered.config import ConfigError, TieredConfig
+
+
+def test_defaults_and_list_of_paths(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    config = TieredConfig.from_extra_config(
+        {"tiered.warm.paths": [str(a), str(b)], "other.key": 1}
+    )
+    assert config.warm.paths == (str(a), str(b))
+    assert config.io_engine == "auto"
+    assert config.queue_depth == 64
+    assert config.stripe_bytes == 1 << 20
+    assert config.direct_io is True
+    assert config.cold is None
+
+
+def test_issue_example_keys_and_comma_string(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    config = TieredConfig.from_extra_config(
+        {
+            "tiered.warm.paths": f"{a}, {b}",
+            "tiered.warm.capacity_gb": 2,
+            "tiered.io_engine": "threads",
+            "tiered.queue_depth": "32",
+            "tiered.stripe_kb": 256,
+            "tiered.direct_io": "false",
+            "tiered.file_mode": "0660",
+            "tiered.warmup.policy": "none",
+        }
+    )
+    assert config.warm.paths == (str(a), str(b))
+    assert config.warm.capacity_bytes == 2 << 30
+    assert (config.io_engine, config.queue_depth) == ("threads", 32)
+    assert config.stripe_bytes == 256 << 10
+    assert config.direct_io is False
+    assert config.file_mode == 0o660
+    assert config.warmup == {"policy": "none"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "tiered.warm.paths is required"),
+        ({"tiered.warm.pathz": "/x"}, "Did you mean tiered.warm.paths"),
+        ({"tiered.queue_depth": "deep"}, "tiered.queue_depth: expected a number"),
+        ({"tiered.queue_depth": 0}, "tiered.queue_depth: must be greater than 0"),
+        ({"tiered.queue_depth": 2.5}, "tiered.queue_depth: expected a whole number"),
+        ({"tiered.io_engine": "spdk"}, "tiered.io_engine: expected one of"),
+        ({"tiered.direct_io": "maybe"}, "tiered.direct_io: expected true or false"),
+        ({"tiered.stripe_kb": 6}, "tiered.stripe_kb: must be a multiple of 4"),
+        ({"tiered.file_mode": "rw"}, "tiered.file_mode: expected octal"),
+    ],
+)
+def test_bad_values_name_the_key(
+    tmp_path: Path, extra: dict[str, object], message: str
+) -> None:
+    settings: dict[str, object] = {"tiered.warm.paths": str(tmp_path)}
+    settings.update(extra)
+    if not extra:
+        settings = {}
+    with pytest.raises(ConfigError, match=message):
+        TieredConfig.from_extra_config(settings)
+
+
+def test_missing_and_unwritable_paths(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=f"{missing} does not exist.*mkdir -p"):
+        TieredConfig.from_extra_config({"tiered.warm.paths": str(missing)})
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        TieredConfig.from_extra_config({"tiered.warm.paths": str(a_file)})
+
+
+def test_unwritable_path_is_refused() -> None:
+    """Checked as an unprivileged user: root ignores permission bits."""
+    base = tempfile.mkdtemp()
+    os.chmod(base, 0o755)
+    locked = os.path.join(base, "locked")
+    os.mkdir(locked, 0o555)
+    code = (
+        "import os\n"
+        "from lmcache_tiered.config import TieredConfig, ConfigError\n"
+        "if os.geteuid() == 0: os.setgid(65534); os.setuid(65534)\n"
+        "try:\n"
+        f"    TieredConfig.from_extra_config({{'tiered.warm.paths': {locked!r}}})\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        shutil.rmtree(base)
+    assert f"tiered.warm.paths: {locked} is not writable" in out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", float("nan")])
+def test_non_finite_capacity_is_refused(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ConfigError, match="tiered.warm.capacity_gb: expected a finite"):
+        TieredConfig.from_extra_config(
+            {"tiered.warm.paths": str(tmp_path), "tiered.warm.capacity_gb": value}
+        )
+
+
+def test_same_directory_in_two_tiers_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="also a warm path"):
+        TieredConfig.from_extra_config(
+            {"tiered.warm.paths": str(tmp_path), "tiered.cold.paths": str(tmp_path)}
+        )
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=30),
+        st.one_of(
+            st.none(),
+            st.integers(),
+            st.text(max_size=20),
+            st.booleans(),
+            st.floats(allow_nan=True),
+        ),
+    )
+)
+def test_any_input_gives_a_config_or_a_config_error(extra: dict[str, object]) -> None:
+    settings = {f"tiered.{k}": v for k, v in extra.items()}
+    with contextlib.suppress(ConfigError):
+        TieredConfig.from_extra_config(settings)

@@ -1,0 +1,142 @@
+"""Record headers and slot geometry: round trips, and any bytes are a clean miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat
+
+from lmcache_tiered.layout import (
+    HEADER_SIZE,
+    CorruptRecord,
+    Geometry,
+    RecordHeader,
+)
+
+KEY = CacheEngineKey("model/x", 4, 1, 0xABCDEF0123, torch.bfloat16, None)
+
+
+def make_header(**changes: object) -> RecordHeader:
+    fields: dict[str, object] = {
+        "key": KEY,
+        "shape": torch.Size([2, 2, 256, 128]),
+        "dtype": torch.bfloat16,
+        "fmt": MemoryFormat.KV_2LTD,
+        "payload_size": 2 * 2 * 256 * 128 * 2,
+        "payload_crc": 0x1234,
+        "sequence": 7,
+        "created_ns": 99,
+    }
+    fields.update(changes)
+    return RecordHeader(**fields)  # type: ignore[arg-type]
+
+
+def test_header_round_trip() -> None:
+    header = make_header()
+    block = header.encode()
+    assert len(block) == HEADER_SIZE
+    assert RecordHeader.decode(block, max_payload=1 << 20) == header
+
+
+def test_tagged_key_round_trip() -> None:
+    key = CacheEngineKey("m", 1, 0, 5, torch.float16, {"lmcache.tag.user": "u1"})
+    header = make_header(key=key)
+    assert RecordHeader.decode(header.encode(), 1 << 20).key == key
+
+
+@pytest.mark.parametrize("position", [0, 9, 40, 60, 100])
+def test_any_flipped_header_byte_is_detected(position: int) -> None:
+    block = bytearray(make_header().encode())
+    block[position] ^= 0x01
+    with pytest.raises(CorruptRecord):
+        RecordHeader.decode(bytes(block), 1 << 20)
+
+
+def test_payload_larger_than_slot_is_refused() -> None:
+    """A header cannot make the reader allocate more than a slot holds."""
+    with pytest.raises(CorruptRecord, match="payload size"):
+        RecordHeader.decode(make_header().encode(), max_payload=4096)
+
+
+def test_shape_must_match_payload_size() -> None:
+    bad = make_header(shape=torch.Size([1 << 20, 1 << 20]))
+    with pytest.raises(CorruptRecord, match="payload size"):
+        RecordHeader.decode(bad.encode(), max_payload=1 << 30)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=HEADER_SIZE))
+def test_random_bytes_are_a_clean_miss(data: bytes) -> None:
+    with pytest.raises(CorruptRecord):
+        RecordHeader.decode(data, 1 << 30)
+
+
+@given(st.binary(min_size=1, max_size=64), st.integers(0, 200))
+def test_spliced_valid_header_is_a_clean_miss(junk: bytes, at: int) -> None:
+    block = bytearray(make_header().encode())
+    block[at : at + len(junk)] = junk
+    block = block[:HEADER_SIZE]
+    try:
+        header = RecordHeader.decode(bytes(block), 1 << 20)
+    except CorruptRecord:
+        return
+    assert header == make_header()  # only an identical splice may pass
+
+
+@pytest.mark.parametrize(
+    ("devices", "stripe", "payload", "per_device"),
+    [
+        (1, 1 << 20, 4 << 20, 4 << 20),
+        (2, 1 << 20, 4 << 20, 2 << 20),
+        (4, 1 << 20, 4 << 20, 1 << 20),
+        (2, 1 << 20, 256 << 10, 128 << 10),  # small chunks still use both devices
+    ],
+)
+def test_geometry_splits_evenly(
+    devices: int, stripe: int, payload: int, per_device: int
+) -> None:
+    geometry = Geometry.plan(devices, stripe, payload)
+    assert geometry.per_device == per_device
+    assert geometry.stripe <= stripe
+
+
+@given(
+    st.integers(1, 6),
+    st.sampled_from([4096, 65536, 1 << 20]),
+    st.integers(1, 64 << 20),
+)
+def test_extents_tile_the_payload_without_overlap(
+    devices: int, stripe: int, payload: int
+) -> None:
+    geometry = Geometry.plan(devices, stripe, payload)
+    assert geometry.stripe % 4096 == 0
+    assert geometry.per_device * devices < payload + devices * geometry.stripe + 1
+    slot = 3
+    extents = geometry.extents(slot, payload)
+    assert sum(e.length for e in extents) == payload
+    assert [e.start for e in extents] == sorted(e.start for e in extents)
+    used: dict[int, list[tuple[int, int]]] = {}
+    for extent in extents:
+        assert extent.offset % 4096 == 0
+        low = slot * geometry.per_device
+        assert low <= extent.offset
+        assert extent.offset + extent.length <= low + geometry.per_device
+        used.setdefault(extent.device, []).append((extent.offset, extent.length))
+    for ranges in used.values():
+        ranges.sort()
+        for (a, n), (b, _) in zip(ranges, ranges[1:], strict=False):
+            assert a + n <= b
+    assert len(used) == min(devices, len(extents))
+
+
+def test_superblock_round_trip_and_damage() -> None:
+    geometry = Geometry.plan(3, 1 << 20, 4 << 20)
+    block = geometry.encode_superblock()
+    assert Geometry.decode_superblock(block) == geometry
+    damaged = bytearray(block)
+    damaged[12] ^= 0xFF
+    assert Geometry.decode_superblock(bytes(damaged)) is None
+    assert Geometry.decode_superblock(b"") is None
