@@ -1,0 +1,74 @@
+"""I/O engines behind one small protocol (:mod:`lmcache_tiered.io.base`).
+
+:func:`make_engine` picks the engine a tier runs on and says why in the log,
+so a silent fallback to the slower thread pool never goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Sequence
+
+from lmcache_tiered.io.base import ALIGN, IOEngine, IORequest
+from lmcache_tiered.io.threads import ThreadEngine
+
+__all__ = [
+    "ALIGN",
+    "IOEngine",
+    "IORequest",
+    "ThreadEngine",
+    "aligned_buffer",
+    "make_engine",
+]
+
+logger = logging.getLogger("lmcache_tiered")
+
+ENGINE_KINDS = ("auto", "uring", "threads")
+
+
+def _uring_status() -> tuple[bool, str]:
+    try:
+        from lmcache_tiered.io.uring import uring_available
+    except ImportError as exc:  # liburing missing or built for another platform
+        return False, f"liburing binding not importable ({exc})"
+    return uring_available()
+
+
+def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
+    """Build the engine ``kind`` ("auto" | "uring" | "threads") over ``fds``.
+
+    "auto" takes io_uring when a real ring works here, else the thread pool;
+    "uring" insists and fails loudly where io_uring is blocked.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"io engine must be one of {ENGINE_KINDS}, got {kind!r}")
+    if kind != "threads":
+        ok, reason = _uring_status()
+        if ok:
+            from lmcache_tiered.io.uring import UringEngine
+
+            logger.info("I/O engine: uring, queue depth %d (%s)", queue_depth, reason)
+            return UringEngine(fds, queue_depth)
+        if kind == "uring":
+            raise RuntimeError(
+                f"io_uring is unavailable here: {reason}; "
+                "set `tiered.io_engine: threads` to use the thread-pool engine"
+            )
+        why = f"io_uring unavailable: {reason}"
+    else:
+        why = "chosen by tiered.io_engine"
+    engine = ThreadEngine(fds, queue_depth)
+    logger.info("I/O engine: threads, %d threads (%s)", engine.threads, why)
+    return engine
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A writable, zeroed, page-aligned (hence :data:`ALIGN`-aligned) buffer.
+
+    O_DIRECT needs aligned memory and ``bytearray``/numpy/torch allocations
+    are not; an anonymous mmap is, and it is freed once the view is dropped.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return memoryview(mmap.mmap(-1, max(nbytes, ALIGN)))[:nbytes]

@@ -1,0 +1,397 @@
+"""Both I/O engines against real O_DIRECT files: data, errors, threads, teardown."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+import lmcache_tiered.io as io_pkg
+from lmcache_tiered.bench import rawio
+from lmcache_tiered.io import (
+    ALIGN,
+    IOEngine,
+    IORequest,
+    ThreadEngine,
+    aligned_buffer,
+    make_engine,
+    uring,
+)
+from lmcache_tiered.io.uring import UringEngine, uring_available
+
+EngineFactory = Callable[[list[int], int], IOEngine]
+
+
+@pytest.fixture(params=["uring", "threads"])
+def build(request: pytest.FixtureRequest) -> Iterator[EngineFactory]:
+    """Builds engines of one kind and closes them after the test."""
+    engines: list[IOEngine] = []
+    cls = UringEngine if request.param == "uring" else ThreadEngine
+
+    def factory(fds: list[int], queue_depth: int) -> IOEngine:
+        engines.append(cls(fds, queue_depth))
+        return engines[-1]
+
+    yield factory
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture
+def ring(files: list[int]) -> Iterator[UringEngine]:
+    """A uring engine over :func:`files`, closed after the test."""
+    engine = UringEngine(files, 8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Iterator[list[int]]:
+    """Three O_DIRECT files, like the devices of a tier."""
+    fds = [
+        os.open(tmp_path / f"dev{i}.bin", os.O_RDWR | os.O_CREAT | os.O_DIRECT)
+        for i in range(3)
+    ]
+    yield fds
+    for fd in fds:
+        os.close(fd)
+
+
+def filled(data: bytes) -> memoryview:
+    buffer = aligned_buffer(len(data))
+    buffer[:] = data
+    return buffer
+
+
+def test_round_trip_over_several_files(build: EngineFactory, files: list[int]) -> None:
+    engine = build(files, 8)
+    rng = random.Random(1)
+    layout = [
+        (file, slot * 4 * ALIGN, rng.randint(1, 4) * ALIGN)
+        for file in range(len(files))
+        for slot in range(16)
+    ]
+    payloads = [rng.randbytes(size) for _, _, size in layout]
+    writes = [
+        IORequest(file, offset, filled(data))
+        for (file, offset, _), data in zip(layout, payloads, strict=True)
+    ]
+    assert engine.write(writes) == [size for _, _, size in layout]
+    reads = [
+        IORequest(file, offset, aligned_buffer(size)) for file, offset, size in layout
+    ]
+    assert engine.read(reads) == [size for _, _, size in layout]
+    assert [bytes(r.buffer) for r in reads] == payloads
+
+
+def test_batch_larger_than_queue_depth(build: EngineFactory, files: list[int]) -> None:
+    engine = build(files, 2)
+    count = 100
+    source = aligned_buffer(count * ALIGN)
+    for i in range(count):
+        source[i * ALIGN : (i + 1) * ALIGN] = i.to_bytes(2, "little") * (ALIGN // 2)
+    writes = [
+        IORequest(i % 3, (i // 3) * ALIGN, source[i * ALIGN : (i + 1) * ALIGN])
+        for i in range(count)
+    ]
+    assert engine.write(writes) == [ALIGN] * count
+    target = aligned_buffer(count * ALIGN)
+    reads = [
+        IORequest(r.file, r.offset, target[i * ALIGN : (i + 1) * ALIGN])
+        for i, r in enumerate(writes)
+    ]
+    assert engine.read(reads) == [ALIGN] * count
+    assert bytes(target) == bytes(source)
+
+
+def test_concurrent_submits_from_threads(
+    build: EngineFactory, files: list[int]
+) -> None:
+    engine = build(files, 4)
+    errors: list[str] = []
+
+    def worker(worker_id: int) -> None:
+        rng = random.Random(worker_id)
+        for round_ in range(10):
+            base = (worker_id * 10 + round_) * 8 * ALIGN
+            data = [rng.randbytes(ALIGN) for _ in range(8)]
+            writes = [
+                IORequest(i % 3, base + i * ALIGN, filled(d))
+                for i, d in enumerate(data)
+            ]
+            reads = [IORequest(w.file, w.offset, aligned_buffer(ALIGN)) for w in writes]
+            if engine.write(writes) != [ALIGN] * 8:
+                errors.append(f"write {worker_id}/{round_}")
+            if (
+                engine.read(reads) != [ALIGN] * 8
+                or [bytes(r.buffer) for r in reads] != data
+            ):
+                errors.append(f"read {worker_id}/{round_}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+
+
+def test_submitting_threads_may_exit_before_completion(
+    build: EngineFactory, files: list[int]
+) -> None:
+    """The kernel cancels io-wq work of exited submitters; callers must not care."""
+    engine = build(files, 16)
+    futures: list[Future[list[int]]] = []
+    data = random.Random(2).randbytes(64 * ALIGN)
+
+    def fire(index: int) -> None:
+        source = filled(data[index * 4 * ALIGN : (index + 1) * 4 * ALIGN])
+        futures.append(
+            engine.submit([IORequest(index % 3, index * 4 * ALIGN, source)], True)
+        )
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [f.result(timeout=30) for f in futures] == [[4 * ALIGN]] * 16
+
+
+def test_short_read_past_end_of_file(build: EngineFactory, files: list[int]) -> None:
+    engine = build(files, 4)
+    assert engine.write([IORequest(0, 0, filled(b"x" * 2 * ALIGN))]) == [2 * ALIGN]
+    head, past = aligned_buffer(4 * ALIGN), aligned_buffer(ALIGN)
+    assert engine.read([IORequest(0, 0, head), IORequest(0, 256 * ALIGN, past)]) == [
+        2 * ALIGN,
+        0,
+    ]
+    assert bytes(head[: 2 * ALIGN]) == b"x" * 2 * ALIGN
+
+
+def test_errors_are_results_not_exceptions(
+    build: EngineFactory, files: list[int], tmp_path: Path
+) -> None:
+    read_only = os.open(tmp_path / "dev0.bin", os.O_RDONLY | os.O_DIRECT)
+    try:
+        engine = build([*files, read_only], 4)
+        good = filled(b"g" * ALIGN)
+        raw = aligned_buffer(2 * ALIGN)
+        results = engine.write(
+            [
+                IORequest(0, 0, good),
+                IORequest(3, 0, good),  # file opened read-only
+                IORequest(4, 0, good),  # no such file index
+                IORequest(-1, 0, good),  # not an index from the end
+                IORequest(1, 0, raw[1 : ALIGN + 1]),  # misaligned for O_DIRECT
+                IORequest(1, -ALIGN, good),  # negative offset
+            ]
+        )
+        assert results == [
+            ALIGN,
+            -errno.EBADF,
+            -errno.EBADF,
+            -errno.EBADF,
+            -errno.EINVAL,
+            -errno.EINVAL,
+        ]
+        frozen = memoryview(bytes(ALIGN))
+        assert engine.read([IORequest(0, 0, frozen)]) == [-errno.EFAULT]
+        assert engine.read([]) == []
+    finally:
+        os.close(read_only)
+
+
+def test_request_memory_is_not_held_after_completion(
+    build: EngineFactory, files: list[int]
+) -> None:
+    """The binding's Iovec never releases its buffers; the engine must not leak."""
+    engine = build(files, 4)
+    memory = mmap.mmap(-1, ALIGN)
+    view = memoryview(memory)
+    assert engine.write([IORequest(0, 0, view)]) == [ALIGN]
+    assert engine.read([IORequest(0, 0, view)]) == [ALIGN]
+    view.release()  # BufferError if an export were still held
+    memory.close()
+
+
+def test_close_is_idempotent(build: EngineFactory, files: list[int]) -> None:
+    engine = build(files, 4)
+    pending = engine.submit([IORequest(0, 0, aligned_buffer(ALIGN))], False)
+    engine.close()
+    assert pending.done()  # close waited for the in-flight request
+    engine.close()
+    with pytest.raises(RuntimeError):
+        engine.read([IORequest(0, 0, aligned_buffer(ALIGN))])
+
+
+def test_uring_really_uses_io_uring(ring: UringEngine) -> None:
+    fdinfo = Path(f"/proc/self/fdinfo/{ring.ring_fd}").read_text()
+    assert "UserFiles:\t3" in fdinfo  # registered files
+    before = ring.stats()["completions"]
+    buffers = [aligned_buffer(ALIGN) for _ in range(20)]
+    requests = [IORequest(i % 3, 0, b) for i, b in enumerate(buffers)]
+    assert ring.read(requests) == [0] * 20  # empty files: end of file
+    assert ring.stats()["completions"] - before == 20
+
+
+def _count_for(seconds: float) -> int:
+    """Pure-Python work done in ``seconds`` on another thread."""
+    count = 0
+    stop = time.monotonic() + seconds
+
+    def spin() -> None:
+        nonlocal count
+        while time.monotonic() < stop:
+            count += 1
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    thread.join()
+    return count
+
+
+def test_uring_waits_without_holding_the_gil(files: list[int]) -> None:
+    baseline = _count_for(0.2)
+    engine = UringEngine(files, 8)
+    try:
+        idle = _count_for(0.2)  # the reaper is blocked in the kernel meanwhile
+        source = aligned_buffer(64 * ALIGN)
+        requests = [
+            IORequest(0, i * ALIGN, source[i * ALIGN : (i + 1) * ALIGN])
+            for i in range(64)
+        ]
+        writing = engine.submit(requests, write=True)
+        busy = _count_for(0.2)
+        assert writing.result(timeout=30) == [ALIGN] * 64
+    finally:
+        engine.close()
+    # Holding the GIL while waiting would starve the counter entirely.
+    assert idle > 0.3 * baseline
+    assert busy > 0
+
+
+def test_uring_registered_buffers(
+    ring: UringEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(uring, "MAX_FIXED_BUFFER", 16 * ALIGN)
+    region = aligned_buffer(64 * ALIGN)
+    data = random.Random(3).randbytes(64 * ALIGN)
+    assert ring.register_buffers([region])
+    fdinfo = Path(f"/proc/self/fdinfo/{ring.ring_fd}").read_text()
+    assert "UserBufs:\t4" in fdinfo  # split into 16-page pieces
+    region[:] = data
+    chunks = [region[i * 8 * ALIGN : (i + 1) * 8 * ALIGN] for i in range(8)]
+    writes = [IORequest(1, i * 8 * ALIGN, c) for i, c in enumerate(chunks)]
+    assert ring.write(writes) == [8 * ALIGN] * 8
+    assert ring.stats()["fixed"] == 8
+    region[:] = bytes(len(region))
+    outside = aligned_buffer(ALIGN)
+    bounds = [0, 12, 20, 32, 48, 64]  # pages; pieces are 16 pages
+    reads = [
+        IORequest(1, start * ALIGN, region[start * ALIGN : end * ALIGN])
+        for start, end in pairwise(bounds)
+    ]
+    reads.append(IORequest(1, 0, outside))
+    assert ring.read(reads) == [len(r.buffer) for r in reads]
+    # [12, 20) straddles two pieces and ``outside`` is not registered: both go
+    # out as plain readv, the other four as readv_fixed.
+    assert ring.stats()["fixed"] == 8 + 4
+    assert bytes(region) == data and bytes(outside) == data[:ALIGN]
+    assert ring.register_buffers([])  # unregisters
+    assert "UserBufs:\t0" in Path(f"/proc/self/fdinfo/{ring.ring_fd}").read_text()
+    ring.close()
+    with pytest.raises(RuntimeError):
+        ring.register_buffers([region])
+
+
+def test_uring_available_here() -> None:
+    ok, reason = uring_available()
+    assert ok, reason
+
+
+def test_uring_available_reports_a_blocked_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(*args: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(uring.liburing, "io_uring_queue_init", refuse)
+    ok, reason = uring_available()
+    assert not ok
+    assert "EPERM" in reason and "seccomp" in reason
+
+
+def test_make_engine_choices(
+    files: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lmcache_tiered")
+    for kind, cls in (("auto", UringEngine), ("uring", UringEngine)):
+        with make_engine(kind, files, 4) as engine:
+            assert isinstance(engine, cls)
+    with make_engine("threads", files, 200) as engine:
+        assert isinstance(engine, ThreadEngine) and engine.threads == 64
+    assert "I/O engine: uring" in caplog.text
+    assert "I/O engine: threads" in caplog.text
+    with pytest.raises(ValueError):
+        make_engine("spdk", files, 4)
+
+
+def test_make_engine_falls_back_when_uring_is_blocked(
+    files: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(io_pkg, "_uring_status", lambda: (False, "EPERM (seccomp)"))
+    caplog.set_level(logging.INFO, logger="lmcache_tiered")
+    with make_engine("auto", files, 4) as engine:
+        assert isinstance(engine, ThreadEngine)
+    assert "EPERM (seccomp)" in caplog.text
+    with pytest.raises(RuntimeError, match="tiered.io_engine: threads"):
+        make_engine("uring", files, 4)
+
+
+def test_aligned_buffer() -> None:
+    for size in (0, 1, ALIGN, 3 * ALIGN + 5):
+        buffer = aligned_buffer(size)
+        assert len(buffer) == size and not buffer.readonly
+    big = aligned_buffer(2 * ALIGN)
+    assert uring._span(big)[0] % ALIGN == 0
+    with pytest.raises(ValueError):
+        aligned_buffer(-1)
+
+
+@pytest.mark.parametrize("engine", ["uring", "threads"])
+def test_raw_read_ceiling_loop(tmp_path: Path, engine: str) -> None:
+    devices = [tmp_path / "a", tmp_path / "b"]
+    for device in devices:
+        device.mkdir()
+    paths = [str(device) for device in devices]
+    gbps = rawio.raw_read_gbps(paths, 16 * ALIGN, 40 * 16 * ALIGN, 4, engine)
+    assert gbps > 0
+    files = [device / rawio.TEST_FILE_NAME for device in devices]
+    assert [f.stat().st_size for f in files] == [20 * 16 * ALIGN] * 2
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert rawio.raw_read_gbps(paths, 16 * ALIGN, 40 * 16 * ALIGN, 4, engine) > 0
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # reused, not rewritten
+    with pytest.raises(ValueError):
+        rawio.raw_read_gbps(paths, 1000, 4000)
+
+
+def test_fio_read_gbps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if shutil.which("fio"):
+        gbps = rawio.fio_read_gbps([str(tmp_path)], 16 * ALIGN, 32 * 16 * ALIGN)
+        assert gbps is not None and gbps > 0
+    monkeypatch.setattr(rawio.shutil, "which", lambda name: None)
+    assert rawio.fio_read_gbps([str(tmp_path)], 16 * ALIGN, 16 * ALIGN) is None
