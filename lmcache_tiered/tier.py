@@ -1,0 +1,596 @@
+"""One storage level: its devices, slab files, index, capacity and I/O engine.
+
+A tier stores LMCache MemoryObjs in fixed-size slots striped over its devices
+(see :mod:`lmcache_tiered.layout`). Reads and writes of a whole batch go to the
+engine at once, so every device has a deep queue. The in-memory index is the
+only shared state; it is guarded by one lock that is never held across I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+
+from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
+from lmcache_tiered.io import aligned_buffer, make_engine
+from lmcache_tiered.io.base import ALIGN, IORequest
+from lmcache_tiered.keys import key_digest
+from lmcache_tiered.layout import (
+    HEADER_SIZE,
+    CorruptRecord,
+    Extent,
+    Geometry,
+    RecordHeader,
+    align_up,
+)
+
+logger = logging.getLogger("lmcache_tiered")
+
+#: Allocates the MemoryObj a record is read into; None when memory is short.
+Allocator = Callable[[RecordHeader], MemoryObj | None]
+
+#: Slots preallocated on disk at a time as the tier fills up.
+_GROW_SLOTS = 64
+#: Header bytes read per request when the index is rebuilt at start-up.
+_SCAN_BYTES = 4 << 20
+
+
+@dataclass(slots=True)
+class Entry:
+    """A stored record: where it is and who is using it."""
+
+    slot: int
+    header: RecordHeader
+    pins: int = 0
+    #: Reads in flight; the slot is not reused while any run.
+    readers: int = 0
+    #: Removed while being read: free the slot when the last reader leaves.
+    dead: bool = False
+    #: Recovered from disk: check the payload CRC on first read even when
+    #: ``verify_reads`` is off, since a crash may have torn it.
+    verified: bool = True
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier, read by metrics and benchmarks."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    puts: int = 0
+    puts_dropped: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    io_errors: int = 0
+
+
+@dataclass(slots=True)
+class _Transfer:
+    """The I/O of one record within a batch, with any bounce buffer it needs."""
+
+    entry_slot: int
+    requests: list[IORequest] = field(default_factory=list)
+    #: (bounce buffer, payload start, length) to copy after a read
+    bounces: list[tuple[memoryview, int, int]] = field(default_factory=list)
+
+
+def payload_view(obj: MemoryObj) -> memoryview:
+    """Writable view of a MemoryObj's whole physical buffer (no copy)."""
+    raw: torch.Tensor = obj.raw_data
+    return raw.view(torch.uint8).numpy().data.cast("B")
+
+
+def _is_aligned(obj: MemoryObj) -> bool:
+    return obj.data_ptr % ALIGN == 0
+
+
+class Tier:
+    """A striped, O_DIRECT, crash-consistent store of KV chunks.
+
+    ``owner`` names this process's files (one slab per device and one header
+    file); two live processes can never own the same files (``flock``).
+    """
+
+    def __init__(
+        self,
+        settings: TierSettings,
+        config: TieredConfig,
+        *,
+        owner: str,
+        max_payload: int,
+        capacity_bytes: int,
+    ) -> None:
+        self.name = settings.name
+        self.paths = settings.paths
+        self.verify_reads = config.verify_reads
+        self.fsync = config.fsync
+        self.stats = TierStats()
+        self.geometry = Geometry.plan(
+            len(settings.paths), config.stripe_bytes, align_up(max_payload)
+        )
+        self.max_slots = capacity_bytes // self.geometry.slot_disk_bytes
+        if self.max_slots < 1:
+            raise ConfigError(
+                f"tiered.{self.name}.capacity_gb: {capacity_bytes / 2**30:.3f} GiB "
+                f"per worker is less than one chunk slot "
+                f"({self.geometry.slot_disk_bytes} bytes); raise the capacity"
+            )
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._free: list[int] = []
+        self._allocated_slots = 0
+        self._sequence = 0
+        self._closed = False
+        self.direct_io = config.direct_io
+        self._fds = self._open_files(owner, config.file_mode)
+        self.engine = make_engine(config.io_engine, self._fds, config.queue_depth)
+        self._header_file = len(self._fds) - 1
+        self._load_or_format()
+
+    # ------------------------------------------------------------------ files
+
+    def _open_files(self, owner: str, mode: int) -> list[int]:
+        """Lock the tier for this process, then open (creating) its files.
+
+        The lock lives on its own descriptor: an io_uring ring keeps its
+        registered files open for a while after it is torn down.
+        """
+        lock_name = os.path.join(self.paths[0], f"{owner}.lock")
+        self._lock_fd = os.open(
+            lock_name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode
+        )
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ConfigError(
+                f"tiered.{self.name}.paths: {lock_name} is held by another live "
+                "process; give each LMCache instance its own directories"
+            ) from None
+        names = [os.path.join(p, f"{owner}.slab") for p in self.paths]
+        names.append(os.path.join(self.paths[0], f"{owner}.hdr"))
+        return [self._open(name, mode) for name in names]
+
+    def _open(self, name: str, mode: int) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        if self.direct_io:
+            try:
+                return os.open(name, flags | os.O_DIRECT, mode)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                logger.warning(
+                    "%s: the file system refuses O_DIRECT; tier %s uses buffered "
+                    "I/O (page cache) instead",
+                    name,
+                    self.name,
+                )
+                self.direct_io = False
+        return os.open(name, flags, mode)
+
+    def _load_or_format(self) -> None:
+        """Rebuild the index from the header file, or start a fresh one."""
+        header_fd = self._fds[self._header_file]
+        size = os.fstat(header_fd).st_size
+        on_disk = None
+        if size >= HEADER_SIZE:
+            block = aligned_buffer(HEADER_SIZE)
+            if self.engine.read([IORequest(self._header_file, 0, block)]) == [
+                HEADER_SIZE
+            ]:
+                on_disk = Geometry.decode_superblock(block)
+        if on_disk == self.geometry:
+            self._scan_headers(size)
+            return
+        if size:
+            logger.warning(
+                "tier %s: %s was written with another layout (%s, now %s); "
+                "starting the tier empty",
+                self.name,
+                self.paths[0],
+                on_disk,
+                self.geometry,
+            )
+        for fd in self._fds:
+            os.ftruncate(fd, 0)
+        block = aligned_buffer(HEADER_SIZE)
+        block[:] = self.geometry.encode_superblock()
+        self._write_all([IORequest(self._header_file, 0, block)])
+
+    def _scan_headers(self, size: int) -> None:
+        """Index every valid header; the rest of the slots become free."""
+        slots = min(size // HEADER_SIZE - 1, self.max_slots)
+        found: list[tuple[int, RecordHeader]] = []
+        buffer = aligned_buffer(_SCAN_BYTES)
+        per_read = _SCAN_BYTES // HEADER_SIZE
+        for first in range(0, slots, per_read):
+            count = min(per_read, slots - first)
+            view = buffer[: count * HEADER_SIZE]
+            request = IORequest(self._header_file, Geometry.header_offset(first), view)
+            if self.engine.read([request]) != [len(view)]:
+                break
+            for i in range(count):
+                block = view[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+                if block[:8] == bytes(8):
+                    continue
+                try:
+                    header = RecordHeader.decode(block, self.geometry.max_payload)
+                except CorruptRecord:
+                    self.stats.corrupt += 1
+                    continue
+                found.append((first + i, header))
+        found.sort(key=lambda item: item[1].sequence)
+        used = set()
+        for slot, header in found:
+            digest = key_digest(header.key)
+            old = self._entries.pop(digest, None)
+            if old is not None:
+                used.discard(old.slot)
+            self._entries[digest] = Entry(slot, header, verified=False)
+            used.add(slot)
+        self._allocated_slots = slots
+        self._free = sorted(set(range(slots)) - used, reverse=True)
+        self._sequence = max((h.sequence for _, h in found), default=0)
+        logger.info(
+            "tier %s: recovered %d chunks from %s", self.name, len(used), self.paths
+        )
+
+    # ------------------------------------------------------------------ index
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        """Whether the key is stored; refreshes its recency, pins on request."""
+        digest = key_digest(key)
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                return False
+            self._entries.move_to_end(digest)
+            if pin:
+                entry.pins += 1
+            return True
+
+    def header(self, key: CacheEngineKey) -> RecordHeader | None:
+        entry = self._entries.get(key_digest(key))
+        return None if entry is None else entry.header
+
+    def stored_keys(self) -> list[CacheEngineKey]:
+        with self._lock:
+            return [e.header.key for e in self._entries.values()]
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        return self.contains(key, pin=True)
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            entry = self._entries.get(key_digest(key))
+            if entry is None or entry.pins == 0:
+                return False
+            entry.pins -= 1
+            return True
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        """Forget a record; its slot is reused once no read is using it."""
+        with self._lock:
+            entry = self._entries.pop(key_digest(key), None)
+            if entry is None:
+                return False
+            self._release(entry)
+            return True
+
+    def _release(self, entry: Entry) -> None:
+        """Free an entry's slot now, or when its last reader leaves (locked)."""
+        if entry.readers:
+            entry.dead = True
+        else:
+            self._free.append(entry.slot)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of disk this tier holds (slots preallocated so far)."""
+        return self._allocated_slots * self.geometry.slot_disk_bytes
+
+    # ------------------------------------------------------------------ reads
+
+    def read(
+        self, keys: Sequence[CacheEngineKey], allocate: Allocator
+    ) -> list[MemoryObj | None]:
+        """Read every key in one batch; None for each miss or bad record.
+
+        All stripe units of all records are in flight together. The caller
+        owns the returned MemoryObjs (one reference each). A record that fails
+        its checks is dropped from the tier; one that found no memory is not.
+        """
+        entries = self._begin_reads(keys)
+        objs: list[MemoryObj | None] = [None] * len(keys)
+        transfers: list[_Transfer | None] = [None] * len(keys)
+        for i, entry in enumerate(entries):
+            obj = None if entry is None else allocate(entry.header)
+            if entry is not None and obj is not None:
+                objs[i] = obj
+                transfers[i] = self._plan_transfer(entry, obj, reading=True)
+        requests = [r for t in transfers if t is not None for r in t.requests]
+        results = iter(self.engine.read(requests) if requests else ())
+        outcomes: list[bool | None] = []
+        for entry, transfer, obj in zip(entries, transfers, objs, strict=True):
+            if entry is None or transfer is None or obj is None:
+                outcomes.append(None)
+            else:
+                outcomes.append(self._finish_read(entry, transfer, results, obj))
+        self._end_reads(entries, outcomes)
+        for i, ok in enumerate(outcomes):
+            obj = objs[i]
+            if not ok and obj is not None:
+                obj.ref_count_down()
+                objs[i] = None
+        return objs
+
+    def _begin_reads(self, keys: Sequence[CacheEngineKey]) -> list[Entry | None]:
+        entries: list[Entry | None] = []
+        with self._lock:
+            for key in keys:
+                digest = key_digest(key)
+                entry = self._entries.get(digest)
+                if entry is None:
+                    self.stats.misses += 1
+                else:
+                    entry.readers += 1
+                    self._entries.move_to_end(digest)
+                entries.append(entry)
+        return entries
+
+    def _finish_read(
+        self,
+        entry: Entry,
+        transfer: _Transfer,
+        results: Iterator[int],
+        obj: MemoryObj,
+    ) -> bool:
+        """Check one record's transfers, copy bounce tails, verify its CRC."""
+        # consume all of this record's results, even after a failed one
+        complete = [next(results) >= len(r.buffer) for r in transfer.requests]
+        if not all(complete):
+            self.stats.io_errors += 1
+            return False
+        view = payload_view(obj)
+        for bounce, start, length in transfer.bounces:
+            view[start : start + length] = bounce[:length]
+        header = entry.header
+        if (self.verify_reads or not entry.verified) and zlib.crc32(
+            view[: header.payload_size]
+        ) != header.payload_crc:
+            self.stats.corrupt += 1
+            logger.warning(
+                "tier %s: chunk %s failed its checksum; dropped",
+                self.name,
+                header.key.to_string(),
+            )
+            return False
+        entry.verified = True
+        return True
+
+    def _end_reads(
+        self, entries: Sequence[Entry | None], outcomes: Sequence[bool | None]
+    ) -> None:
+        """Count hits and misses, drop bad records, free slots of dead ones."""
+        with self._lock:
+            for entry, ok in zip(entries, outcomes, strict=True):
+                if entry is None:
+                    continue
+                entry.readers -= 1
+                if ok:
+                    self.stats.hits += 1
+                    self.stats.bytes_read += entry.header.payload_size
+                else:
+                    self.stats.misses += 1
+                if ok is False:
+                    digest = key_digest(entry.header.key)
+                    if self._entries.get(digest) is entry:
+                        del self._entries[digest]
+                    entry.dead = True
+                if entry.dead and entry.readers == 0:
+                    self._free.append(entry.slot)
+
+    def _plan_transfer(self, entry: Entry, obj: MemoryObj, reading: bool) -> _Transfer:
+        """Requests for one record: straight into/out of the MemoryObj when it
+        is aligned, through a small bounce buffer for any unaligned part."""
+        transfer = _Transfer(entry.slot)
+        view = payload_view(obj)
+        direct = _is_aligned(obj)
+        extents = self.geometry.extents(entry.slot, entry.header.payload_size)
+        for extent in extents:
+            transfer.requests.append(
+                IORequest(
+                    extent.device,
+                    extent.offset,
+                    self._extent_buffer(extent, view, direct, transfer, reading),
+                )
+            )
+        return transfer
+
+    @staticmethod
+    def _extent_buffer(
+        extent: Extent,
+        view: memoryview,
+        direct: bool,
+        transfer: _Transfer,
+        reading: bool,
+    ) -> memoryview:
+        padded = align_up(extent.length)
+        end = extent.start + padded
+        if direct and end <= len(view):
+            return view[extent.start : end]
+        bounce = aligned_buffer(padded)
+        if reading:
+            transfer.bounces.append((bounce, extent.start, extent.length))
+        else:
+            bounce[: extent.length] = view[extent.start : extent.start + extent.length]
+        return bounce
+
+    # ----------------------------------------------------------------- writes
+
+    def write(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+        """Store a batch; True for each key that is stored when this returns.
+
+        Payloads go first, then the headers that make them visible, so a crash
+        never leaves a servable record with a torn payload. A key that cannot
+        get a slot (the tier is full of pinned or in-use records) is dropped
+        and counted, never waited for.
+        """
+        stored = [False] * len(items)
+        planned: list[tuple[int, Entry, _Transfer]] = []
+        seen: set[bytes] = set()
+        for i, (key, obj) in enumerate(items):
+            size = obj.get_size()
+            digest = key_digest(key)
+            if digest in self._entries or digest in seen:
+                stored[i] = True
+                continue
+            seen.add(digest)
+            if size > self.geometry.max_payload:
+                logger.warning(
+                    "tier %s: chunk of %d bytes exceeds the slot size %d; "
+                    "set tiered.slot_mb higher to store it",
+                    self.name,
+                    size,
+                    self.geometry.max_payload,
+                )
+                self.stats.puts_dropped += 1
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                self.stats.puts_dropped += 1
+                continue
+            header = RecordHeader(
+                key=key,
+                shape=obj.get_shape(),
+                dtype=obj.get_dtype(),
+                fmt=obj.get_memory_format(),
+                payload_size=size,
+                payload_crc=zlib.crc32(payload_view(obj)[:size]),
+                sequence=self._next_sequence(),
+                created_ns=time.time_ns(),
+            )
+            entry = Entry(slot, header)
+            planned.append((i, entry, self._plan_transfer(entry, obj, reading=False)))
+        if not planned:
+            return stored
+        payload_ok = self._write_all(
+            [r for _, _, t in planned for r in t.requests], per_record=planned
+        )
+        headers = []
+        for ok, (_, entry, _) in zip(payload_ok, planned, strict=True):
+            if ok:
+                block = aligned_buffer(HEADER_SIZE)
+                block[:] = entry.header.encode()
+                headers.append(
+                    IORequest(
+                        self._header_file, Geometry.header_offset(entry.slot), block
+                    )
+                )
+        header_iter = iter(self._write_all(headers)) if headers else iter(())
+        with self._lock:
+            for ok, (i, entry, _) in zip(payload_ok, planned, strict=True):
+                if ok and next(header_iter):
+                    # a concurrent writer of the same key loses its slot
+                    old = self._entries.pop(key_digest(entry.header.key), None)
+                    if old is not None:
+                        self._release(old)
+                    self._entries[key_digest(entry.header.key)] = entry
+                    self.stats.puts += 1
+                    self.stats.bytes_written += entry.header.payload_size
+                    stored[i] = True
+                else:
+                    self.stats.io_errors += 1
+                    self._free.append(entry.slot)
+        return stored
+
+    def _write_all(
+        self,
+        requests: list[IORequest],
+        per_record: Sequence[tuple[int, Entry, _Transfer]] | None = None,
+    ) -> list[bool]:
+        """Write a batch (and fdatasync if configured); success per record, or
+        per request when ``per_record`` is None."""
+        results = iter(self.engine.write(requests))
+        written = [n >= len(r.buffer) for r, n in zip(requests, results, strict=True)]
+        if self.fsync:
+            for fd in self._fds:
+                os.fdatasync(fd)
+        if per_record is None:
+            return written
+        flags = iter(written)
+        return [all([next(flags) for _ in t.requests]) for _, _, t in per_record]
+
+    def _next_sequence(self) -> int:
+        with self._lock:
+            self._sequence += 1
+            return self._sequence
+
+    def _take_slot(self) -> int | None:
+        """A free slot: a released one, a new one, or the LRU victim's."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            if self._allocated_slots < self.max_slots:
+                return self._grow()
+            for digest, entry in self._entries.items():
+                if entry.pins == 0 and entry.readers == 0:
+                    del self._entries[digest]
+                    self.stats.evictions += 1
+                    return entry.slot
+            return None
+
+    def _grow(self) -> int | None:
+        """Preallocate the next group of slots on every device (locked)."""
+        first = self._allocated_slots
+        count = min(_GROW_SLOTS, self.max_slots - first)
+        per_device = self.geometry.per_device
+        try:
+            for fd in self._fds[: self._header_file]:
+                os.posix_fallocate(fd, first * per_device, count * per_device)
+            os.posix_fallocate(
+                self._fds[self._header_file],
+                Geometry.header_offset(first),
+                count * HEADER_SIZE,
+            )
+        except OSError as exc:
+            logger.warning(
+                "tier %s: cannot grow past %d slots (%s); it stays at that size",
+                self.name,
+                first,
+                os.strerror(exc.errno or 0),
+            )
+            self.max_slots = first
+            return None
+        self._allocated_slots = first + count
+        self._free.extend(range(first + count - 1, first, -1))
+        return first
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Release the engine and the files (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.close()
+        for fd in self._fds:
+            os.close(fd)
+        os.close(self._lock_fd)

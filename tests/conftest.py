@@ -1,0 +1,98 @@
+"""Shared fixtures: a real LMCache engine on CPU with the tiered plugin."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
+
+from lmcache_tiered.bench import harness
+from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.tier import Tier
+
+ENGINES = ["uring", "threads"]
+
+
+def plugin_extra_config(paths: list[Path], **settings: Any) -> dict[str, Any]:
+    """LMCache extra_config that loads TieredBackend over ``paths``."""
+    extra: dict[str, Any] = {
+        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+        "storage_plugin.tiered.class_name": "TieredBackend",
+        "tiered.warm.paths": [str(p) for p in paths],
+        "tiered.warm.capacity_gb": 0.25,
+    }
+    extra.update({f"tiered.{k}": v for k, v in settings.items()})
+    return extra
+
+
+@pytest.fixture
+def device_dirs(tmp_path: Path) -> list[Path]:
+    """Two directories standing in for two NVMe devices."""
+    dirs = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    for d in dirs:
+        d.mkdir()
+    return dirs
+
+
+@pytest.fixture
+def engine_factory() -> Iterator[Callable[..., Any]]:
+    """Builds real LMCache engines; destroys all of them after the test."""
+
+    def build(
+        extra_config: dict[str, Any],
+        *,
+        async_loading: bool = False,
+        plugins: tuple[str, ...] = ("tiered",),
+        **config: Any,
+    ) -> tuple[Any, harness.CPUConnector]:
+        cfg = harness.build_config(
+            extra_config=extra_config,
+            storage_plugins=list(plugins),
+            enable_async_loading=async_loading,
+            **config,
+        )
+        return harness.build_engine(cfg)
+
+    yield build
+    harness.destroy_all_engines()
+
+
+@pytest.fixture
+def allocator() -> MixedMemoryAllocator:
+    """LMCache's own CPU allocator (4 KiB-aligned MemoryObjs)."""
+    return MixedMemoryAllocator(128 << 20)
+
+
+@pytest.fixture
+def tier_factory(device_dirs: list[Path]) -> Iterator[Callable[..., Tier]]:
+    """Opens Tiers over ``device_dirs``; closes them after the test."""
+    opened: list[Tier] = []
+
+    def open_tier(
+        *, max_payload: int = 64 << 10, capacity_bytes: int = 8 << 20, **settings: Any
+    ) -> Tier:
+        extra = {"tiered.warm.paths": [str(d) for d in device_dirs]}
+        extra.update({f"tiered.{k}": v for k, v in settings.items()})
+        config = TieredConfig.from_extra_config(extra)
+        tier = Tier(
+            config.warm,
+            config,
+            owner="kv-w0",
+            max_payload=max_payload,
+            capacity_bytes=capacity_bytes,
+        )
+        opened.append(tier)
+        return tier
+
+    yield open_tier
+    for tier in opened:
+        tier.close()
+
+
+def random_kv(shape: torch.Size, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(torch.bfloat16)
