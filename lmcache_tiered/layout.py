@@ -19,11 +19,16 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered.io.base import ALIGN
-from lmcache_tiered.keys import DIGEST_SIZE, key_digest, key_from_string
+from lmcache_tiered.keys import (
+    DIGEST_SIZE,
+    StoreKey,
+    key_digest,
+    key_from_string,
+    key_text,
+)
 
 HEADER_SIZE = ALIGN
 FORMAT_VERSION = 1
@@ -68,7 +73,7 @@ class CorruptRecord(ValueError):
 class RecordHeader:
     """What a tier needs to know about a stored chunk without reading it."""
 
-    key: CacheEngineKey
+    key: StoreKey
     shape: torch.Size
     dtype: torch.dtype
     fmt: MemoryFormat
@@ -80,7 +85,7 @@ class RecordHeader:
     def encode(self) -> bytes:
         """The header as one zero-padded, CRC-protected 4 KiB block."""
         dtype_name = str(self.dtype).removeprefix("torch.").encode()
-        key_text = self.key.to_string().encode()
+        key_bytes = key_text(self.key).encode()
         fixed = _RECORD.pack(
             RECORD_MAGIC,
             FORMAT_VERSION,
@@ -92,16 +97,16 @@ class RecordHeader:
             key_digest(self.key),
             len(self.shape),
             len(dtype_name),
-            len(key_text),
+            len(key_bytes),
         )
         body = (
             fixed
             + struct.pack(f"<{len(self.shape)}Q", *self.shape)
             + dtype_name
-            + key_text
+            + key_bytes
         )
         if len(body) + _CRC.size > HEADER_SIZE:
-            raise ValueError(f"key too long for a record header: {len(key_text)} B")
+            raise ValueError(f"key too long for a record header: {len(key_bytes)} B")
         return (body + _CRC.pack(zlib.crc32(body))).ljust(HEADER_SIZE, b"\0")
 
     @staticmethod
