@@ -92,6 +92,13 @@ def _positive(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
     return parse_positive
 
 
+def _fraction(key: str, value: Any) -> float:
+    number = _parse_float(key, value)
+    if not 0.0 <= number <= 1.0:
+        raise ConfigError(f"{key}: must be between 0 and 1, got {value!r}")
+    return number
+
+
 def _parse_mode(key: str, value: Any) -> int:
     """Octal permission bits: "0660" (string) or an int as YAML may give it."""
     try:
@@ -150,6 +157,35 @@ SETTINGS: dict[str, Setting] = {
         False,
         "fdatasync each write batch before it is acknowledged (power-loss safe)",
     ),
+    "cold.write": Setting(
+        _choice("back", "through"),
+        "back",
+        "back: warm evictions move to cold; through: every put goes to both",
+    ),
+    "warm.admit_after_hits": Setting(
+        _parse_int,
+        0,
+        "write a chunk to NVMe only once it was seen this often (frequency policy)",
+    ),
+    "warmup.policy": Setting(
+        lambda key, value: str(value).strip(),
+        "lookahead",
+        "warm-up policy name (entry point group lmcache_tiered.warmup_policies)",
+    ),
+    "warmup.bandwidth_mbps": Setting(
+        _positive(_parse_float), None, "cap on warm-up reads in MB/s (default: none)"
+    ),
+    "warmup.hot_fraction": Setting(
+        _fraction, 0.25, "share of the CPU tier that unused promotions may fill"
+    ),
+    "warmup.tick_ms": Setting(
+        _positive(_parse_float), 50.0, "period of the policies' on_tick event"
+    ),
+    "warmup.hint_port": Setting(
+        _parse_int,
+        -1,
+        "loopback port of the arrival-hint endpoint (0: any free port, -1: off)",
+    ),
     "file_mode": Setting(
         _parse_mode,
         0o600,
@@ -181,8 +217,15 @@ class TieredConfig:
     verify_reads: bool = True
     fsync: bool = False
     file_mode: int = 0o600
-    #: ``tiered.warmup.*`` keys, prefix stripped, for the warm-up layer.
-    warmup: Mapping[str, Any] = field(default_factory=dict)
+    cold_write_through: bool = False
+    admit_after_hits: int = 0
+    warmup_policy: str = "lookahead"
+    warmup_bandwidth_bytes_s: float | None = None
+    warmup_hot_fraction: float = 0.25
+    warmup_tick_s: float = 0.05
+    hint_port: int = -1
+    #: ``tiered.warmup.<policy>.<param>`` values, keyed ``<policy>.<param>``
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def from_extra_config(extra_config: Mapping[str, Any] | None) -> TieredConfig:
@@ -192,11 +235,12 @@ class TieredConfig:
             for k, v in (extra_config or {}).items()
             if k.startswith(PREFIX)
         }
-        warmup = {
-            k[len("warmup.") :]: v for k, v in raw.items() if k.startswith("warmup.")
+        # tiered.warmup.<policy>.<param>: checked by the policy registry
+        policy_params = {
+            k[len("warmup.") :]: v for k, v in raw.items() if _is_policy_param(k)
         }
         unknown = sorted(
-            k for k in raw if k not in SETTINGS and not k.startswith("warmup.")
+            k for k in raw if k not in SETTINGS and not _is_policy_param(k)
         )
         if unknown:
             key = unknown[0]
@@ -244,8 +288,21 @@ class TieredConfig:
             verify_reads=values["verify_reads"],
             fsync=values["fsync"],
             file_mode=values["file_mode"],
-            warmup=warmup,
+            cold_write_through=values["cold.write"] == "through",
+            admit_after_hits=values["warm.admit_after_hits"],
+            warmup_policy=values["warmup.policy"],
+            warmup_bandwidth_bytes_s=None
+            if values["warmup.bandwidth_mbps"] is None
+            else values["warmup.bandwidth_mbps"] * 1e6,
+            warmup_hot_fraction=values["warmup.hot_fraction"],
+            warmup_tick_s=values["warmup.tick_ms"] / 1000,
+            hint_port=values["warmup.hint_port"],
+            policy_params=policy_params,
         )
+
+
+def _is_policy_param(name: str) -> bool:
+    return name.startswith("warmup.") and name.count(".") >= 2 and name not in SETTINGS
 
 
 def _tier(name: str, values: Mapping[str, Any]) -> TierSettings:

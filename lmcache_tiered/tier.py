@@ -16,17 +16,18 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 
 import torch
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
 from lmcache_tiered.io import aligned_buffer, make_engine
 from lmcache_tiered.io.base import ALIGN, IORequest
-from lmcache_tiered.keys import key_digest
+from lmcache_tiered.keys import key_digest, key_text
 from lmcache_tiered.layout import (
     HEADER_SIZE,
     CorruptRecord,
@@ -35,6 +36,7 @@ from lmcache_tiered.layout import (
     RecordHeader,
     align_up,
 )
+from lmcache_tiered.metrics import LatencyHistogram
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -76,26 +78,49 @@ class TierStats:
     corrupt: int = 0
     evictions: int = 0
     io_errors: int = 0
+    read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 @dataclass(slots=True)
 class _Transfer:
     """The I/O of one record within a batch, with any bounce buffer it needs."""
 
-    entry_slot: int
+    slot: int
     requests: list[IORequest] = field(default_factory=list)
     #: (bounce buffer, payload start, length) to copy after a read
     bounces: list[tuple[memoryview, int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """Bytes of one chunk in memory, with what its header must say.
+
+    ``direct`` means ``view`` is 4 KiB aligned, so O_DIRECT can use it as is.
+    """
+
+    key: CacheEngineKey
+    shape: torch.Size
+    dtype: torch.dtype
+    fmt: MemoryFormat
+    view: memoryview
+    direct: bool
+
+    @staticmethod
+    def of(key: CacheEngineKey, obj: MemoryObj) -> Payload:
+        return Payload(
+            key,
+            obj.get_shape(),
+            obj.get_dtype(),
+            obj.get_memory_format(),
+            payload_view(obj)[: obj.get_size()],
+            obj.data_ptr % ALIGN == 0,
+        )
 
 
 def payload_view(obj: MemoryObj) -> memoryview:
     """Writable view of a MemoryObj's whole physical buffer (no copy)."""
     raw: torch.Tensor = obj.raw_data
     return raw.view(torch.uint8).numpy().data.cast("B")
-
-
-def _is_aligned(obj: MemoryObj) -> bool:
-    return obj.data_ptr % ALIGN == 0
 
 
 class Tier:
@@ -135,6 +160,8 @@ class Tier:
         self._allocated_slots = 0
         self._sequence = 0
         self._closed = False
+        #: called (outside the lock) with the keys evicted by a write
+        self.on_evict: Callable[[list[CacheEngineKey]], None] | None = None
         self.direct_io = config.direct_io
         self._fds = self._open_files(owner, config.file_mode)
         self.engine = make_engine(config.io_engine, self._fds, config.queue_depth)
@@ -256,15 +283,31 @@ class Tier:
 
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         """Whether the key is stored; refreshes its recency, pins on request."""
-        digest = key_digest(key)
+        return self.touch([key], pin) == 1
+
+    def touch(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
+        """Refresh the recency of the stored ``keys`` (pin them on request);
+        returns how many are stored.
+
+        Keys come in prefix order and are touched tails first, so a chain's
+        head is always more recent than its tail: eviction never leaves a
+        tail whose head is gone.
+        """
         with self._lock:
-            entry = self._entries.get(digest)
-            if entry is None:
-                return False
-            self._entries.move_to_end(digest)
-            if pin:
-                entry.pins += 1
-            return True
+            found = 0
+            for key in keys:
+                entry = self._entries.get(key_digest(key))
+                if entry is not None:
+                    found += 1
+                    entry.pins += pin
+            self._touch_locked(keys)
+            return found
+
+    def _touch_locked(self, keys: Sequence[CacheEngineKey]) -> None:
+        for key in reversed(keys):
+            digest = key_digest(key)
+            if digest in self._entries:
+                self._entries.move_to_end(digest)
 
     def header(self, key: CacheEngineKey) -> RecordHeader | None:
         entry = self._entries.get(key_digest(key))
@@ -318,22 +361,10 @@ class Tier:
         its checks is dropped from the tier; one that found no memory is not.
         """
         entries = self._begin_reads(keys)
-        objs: list[MemoryObj | None] = [None] * len(keys)
-        transfers: list[_Transfer | None] = [None] * len(keys)
-        for i, entry in enumerate(entries):
-            obj = None if entry is None else allocate(entry.header)
-            if entry is not None and obj is not None:
-                objs[i] = obj
-                transfers[i] = self._plan_transfer(entry, obj, reading=True)
-        requests = [r for t in transfers if t is not None for r in t.requests]
-        results = iter(self.engine.read(requests) if requests else ())
-        outcomes: list[bool | None] = []
-        for entry, transfer, obj in zip(entries, transfers, objs, strict=True):
-            if entry is None or transfer is None or obj is None:
-                outcomes.append(None)
-            else:
-                outcomes.append(self._finish_read(entry, transfer, results, obj))
-        self._end_reads(entries, outcomes)
+        objs = [None if e is None else allocate(e.header) for e in entries]
+        views = [None if o is None else payload_view(o) for o in objs]
+        direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
+        outcomes = self._read_into(entries, views, direct)
         for i, ok in enumerate(outcomes):
             obj = objs[i]
             if not ok and obj is not None:
@@ -341,34 +372,87 @@ class Tier:
                 objs[i] = None
         return objs
 
+    def read_payloads(self, keys: Sequence[CacheEngineKey]) -> list[Payload | None]:
+        """Read records into fresh aligned buffers (tier-to-tier copies)."""
+        entries = self._begin_reads(keys)
+        views = [
+            None if e is None else aligned_buffer(align_up(e.header.payload_size))
+            for e in entries
+        ]
+        outcomes = self._read_into(entries, views, [True] * len(keys))
+        return [
+            Payload(
+                e.header.key,
+                e.header.shape,
+                e.header.dtype,
+                e.header.fmt,
+                v[: e.header.payload_size],
+                True,
+            )
+            if ok and e is not None and v is not None
+            else None
+            for e, v, ok in zip(entries, views, outcomes, strict=True)
+        ]
+
+    def _read_into(
+        self,
+        entries: Sequence[Entry | None],
+        views: Sequence[memoryview | None],
+        direct: Sequence[bool],
+    ) -> list[bool | None]:
+        """Read the records into ``views``; per record True (good), False
+        (bad: dropped from the tier) or None (not read: no buffer).
+
+        One engine batch per record, all in flight at once; each record is
+        checked as soon as its own I/O lands, while the others still read.
+        """
+        transfers = [
+            None
+            if e is None or v is None
+            else self._plan_transfer(e.slot, e.header.payload_size, v, d, True)
+            for e, v, d in zip(entries, views, direct, strict=True)
+        ]
+        started = time.perf_counter()
+        pending = {
+            self.engine.submit(t.requests, write=False): i
+            for i, t in enumerate(transfers)
+            if t is not None
+        }
+        outcomes: list[bool | None] = [None] * len(entries)
+        for future in as_completed(pending):
+            self.stats.read_latency.observe(time.perf_counter() - started)
+            i = pending[future]
+            entry, transfer, view = entries[i], transfers[i], views[i]
+            assert entry is not None and transfer is not None and view is not None
+            outcomes[i] = self._finish_read(entry, transfer, future.result(), view)
+        self._end_reads(entries, outcomes)
+        return outcomes
+
     def _begin_reads(self, keys: Sequence[CacheEngineKey]) -> list[Entry | None]:
         entries: list[Entry | None] = []
         with self._lock:
             for key in keys:
-                digest = key_digest(key)
-                entry = self._entries.get(digest)
+                entry = self._entries.get(key_digest(key))
                 if entry is None:
                     self.stats.misses += 1
                 else:
                     entry.readers += 1
-                    self._entries.move_to_end(digest)
                 entries.append(entry)
+            self._touch_locked(keys)
         return entries
 
     def _finish_read(
         self,
         entry: Entry,
         transfer: _Transfer,
-        results: Iterator[int],
-        obj: MemoryObj,
+        results: list[int],
+        view: memoryview,
     ) -> bool:
         """Check one record's transfers, copy bounce tails, verify its CRC."""
-        # consume all of this record's results, even after a failed one
-        complete = [next(results) >= len(r.buffer) for r in transfer.requests]
-        if not all(complete):
+        done = zip(results, transfer.requests, strict=True)
+        if not all(n >= len(r.buffer) for n, r in done):
             self.stats.io_errors += 1
             return False
-        view = payload_view(obj)
         for bounce, start, length in transfer.bounces:
             view[start : start + length] = bounce[:length]
         header = entry.header
@@ -379,7 +463,7 @@ class Tier:
             logger.warning(
                 "tier %s: chunk %s failed its checksum; dropped",
                 self.name,
-                header.key.to_string(),
+                key_text(header.key),
             )
             return False
         entry.verified = True
@@ -407,21 +491,15 @@ class Tier:
                 if entry.dead and entry.readers == 0:
                     self._free.append(entry.slot)
 
-    def _plan_transfer(self, entry: Entry, obj: MemoryObj, reading: bool) -> _Transfer:
-        """Requests for one record: straight into/out of the MemoryObj when it
-        is aligned, through a small bounce buffer for any unaligned part."""
-        transfer = _Transfer(entry.slot)
-        view = payload_view(obj)
-        direct = _is_aligned(obj)
-        extents = self.geometry.extents(entry.slot, entry.header.payload_size)
-        for extent in extents:
-            transfer.requests.append(
-                IORequest(
-                    extent.device,
-                    extent.offset,
-                    self._extent_buffer(extent, view, direct, transfer, reading),
-                )
-            )
+    def _plan_transfer(
+        self, slot: int, size: int, view: memoryview, direct: bool, reading: bool
+    ) -> _Transfer:
+        """Requests for one record: straight into/out of ``view`` when it is
+        aligned, through a small bounce buffer for any unaligned part."""
+        transfer = _Transfer(slot)
+        for extent in self.geometry.extents(slot, size):
+            buffer = self._extent_buffer(extent, view, direct, transfer, reading)
+            transfer.requests.append(IORequest(extent.device, extent.offset, buffer))
         return transfer
 
     @staticmethod
@@ -446,23 +524,29 @@ class Tier:
     # ----------------------------------------------------------------- writes
 
     def write(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+        """Store LMCache MemoryObjs; see :meth:`write_payloads`."""
+        return self.write_payloads([Payload.of(key, obj) for key, obj in items])
+
+    def write_payloads(self, payloads: Sequence[Payload]) -> list[bool]:
         """Store a batch; True for each key that is stored when this returns.
 
         Payloads go first, then the headers that make them visible, so a crash
         never leaves a servable record with a torn payload. A key that cannot
         get a slot (the tier is full of pinned or in-use records) is dropped
-        and counted, never waited for.
+        and counted, never waited for. Keys are given in prefix order (heads
+        first) and become most recent heads last, so tails are evicted first.
         """
-        stored = [False] * len(items)
+        stored = [False] * len(payloads)
         planned: list[tuple[int, Entry, _Transfer]] = []
+        evicted: list[CacheEngineKey] = []
         seen: set[bytes] = set()
-        for i, (key, obj) in enumerate(items):
-            size = obj.get_size()
-            digest = key_digest(key)
+        for i, payload in enumerate(payloads):
+            digest = key_digest(payload.key)
             if digest in self._entries or digest in seen:
                 stored[i] = True
                 continue
             seen.add(digest)
+            size = len(payload.view)
             if size > self.geometry.max_payload:
                 logger.warning(
                     "tier %s: chunk of %d bytes exceeds the slot size %d; "
@@ -473,22 +557,26 @@ class Tier:
                 )
                 self.stats.puts_dropped += 1
                 continue
-            slot = self._take_slot()
+            slot = self._take_slot(evicted)
             if slot is None:
                 self.stats.puts_dropped += 1
                 continue
             header = RecordHeader(
-                key=key,
-                shape=obj.get_shape(),
-                dtype=obj.get_dtype(),
-                fmt=obj.get_memory_format(),
+                key=payload.key,
+                shape=payload.shape,
+                dtype=payload.dtype,
+                fmt=payload.fmt,
                 payload_size=size,
-                payload_crc=zlib.crc32(payload_view(obj)[:size]),
+                payload_crc=zlib.crc32(payload.view),
                 sequence=self._next_sequence(),
                 created_ns=time.time_ns(),
             )
-            entry = Entry(slot, header)
-            planned.append((i, entry, self._plan_transfer(entry, obj, reading=False)))
+            transfer = self._plan_transfer(
+                slot, size, payload.view, payload.direct, False
+            )
+            planned.append((i, Entry(slot, header), transfer))
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         if not planned:
             return stored
         payload_ok = self._write_all(
@@ -499,27 +587,31 @@ class Tier:
             if ok:
                 block = aligned_buffer(HEADER_SIZE)
                 block[:] = entry.header.encode()
-                headers.append(
-                    IORequest(
-                        self._header_file, Geometry.header_offset(entry.slot), block
-                    )
-                )
-        header_iter = iter(self._write_all(headers)) if headers else iter(())
+                offset = Geometry.header_offset(entry.slot)
+                headers.append(IORequest(self._header_file, offset, block))
+        header_ok = iter(self._write_all(headers) if headers else ())
+        done = [ok and next(header_ok) for ok in payload_ok]
         with self._lock:
-            for ok, (i, entry, _) in zip(payload_ok, planned, strict=True):
-                if ok and next(header_iter):
-                    # a concurrent writer of the same key loses its slot
-                    old = self._entries.pop(key_digest(entry.header.key), None)
-                    if old is not None:
-                        self._release(old)
-                    self._entries[key_digest(entry.header.key)] = entry
-                    self.stats.puts += 1
-                    self.stats.bytes_written += entry.header.payload_size
+            # tails first, so the chain's head ends up the most recent
+            for ok, (i, entry, _) in reversed(list(zip(done, planned, strict=True))):
+                if ok:
+                    self._insert_locked(entry)
                     stored[i] = True
                 else:
                     self.stats.io_errors += 1
                     self._free.append(entry.slot)
         return stored
+
+    def _insert_locked(self, entry: Entry) -> None:
+        """Make a written record visible (most recent); a concurrent writer of
+        the same key loses its slot."""
+        digest = key_digest(entry.header.key)
+        old = self._entries.pop(digest, None)
+        if old is not None:
+            self._release(old)
+        self._entries[digest] = entry
+        self.stats.puts += 1
+        self.stats.bytes_written += entry.header.payload_size
 
     def _write_all(
         self,
@@ -543,8 +635,9 @@ class Tier:
             self._sequence += 1
             return self._sequence
 
-    def _take_slot(self) -> int | None:
-        """A free slot: a released one, a new one, or the LRU victim's."""
+    def _take_slot(self, evicted: list[CacheEngineKey]) -> int | None:
+        """A free slot: a released one, a new one, or the LRU victim's (whose
+        key is appended to ``evicted``)."""
         with self._lock:
             if self._free:
                 return self._free.pop()
@@ -554,8 +647,23 @@ class Tier:
                 if entry.pins == 0 and entry.readers == 0:
                     del self._entries[digest]
                     self.stats.evictions += 1
+                    evicted.append(entry.header.key)
                     return entry.slot
             return None
+
+    def victims(self, count: int) -> list[CacheEngineKey]:
+        """The keys that storing ``count`` more chunks would evict now, in
+        eviction order (for demotion to a lower tier before they go)."""
+        with self._lock:
+            spare = len(self._free) + self.max_slots - self._allocated_slots
+            need = count - spare
+            if need <= 0:
+                return []
+            return [
+                e.header.key
+                for e in self._entries.values()
+                if e.pins == 0 and e.readers == 0
+            ][:need]
 
     def _grow(self) -> int | None:
         """Preallocate the next group of slots on every device (locked)."""

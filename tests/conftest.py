@@ -24,6 +24,8 @@ def plugin_extra_config(paths: list[Path], **settings: Any) -> dict[str, Any]:
         "storage_plugin.tiered.class_name": "TieredBackend",
         "tiered.warm.paths": [str(p) for p in paths],
         "tiered.warm.capacity_gb": 0.25,
+        # deterministic reads unless a test asks for a warm-up policy
+        "tiered.warmup.policy": "none",
     }
     extra.update({f"tiered.{k}": v for k, v in settings.items()})
     return extra
@@ -55,7 +57,7 @@ def engine_factory() -> Iterator[Callable[..., Any]]:
             enable_async_loading=async_loading,
             **config,
         )
-        return harness.build_engine(cfg)
+        return harness.build_engine(cfg, require_plugins=False)
 
     yield build
     harness.destroy_all_engines()

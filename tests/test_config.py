@@ -46,6 +46,8 @@ def test_issue_example_keys_and_comma_string(tmp_path: Path) -> None:
             "tiered.direct_io": "false",
             "tiered.file_mode": "0660",
             "tiered.warmup.policy": "none",
+            "tiered.warmup.session.lead_s": "2",
+            "tiered.cold.write": "through",
         }
     )
     assert config.warm.paths == (str(a), str(b))
@@ -54,7 +56,9 @@ def test_issue_example_keys_and_comma_string(tmp_path: Path) -> None:
     assert config.stripe_bytes == 256 << 10
     assert config.direct_io is False
     assert config.file_mode == 0o660
-    assert config.warmup == {"policy": "none"}
+    assert config.warmup_policy == "none"
+    assert config.policy_params == {"session.lead_s": "2"}
+    assert config.cold_write_through is True
 
 
 @pytest.mark.parametrize(
@@ -69,6 +73,9 @@ def test_issue_example_keys_and_comma_string(tmp_path: Path) -> None:
         ({"tiered.direct_io": "maybe"}, "tiered.direct_io: expected true or false"),
         ({"tiered.stripe_kb": 6}, "tiered.stripe_kb: must be a multiple of 4"),
         ({"tiered.file_mode": "rw"}, "tiered.file_mode: expected octal"),
+        ({"tiered.warmup.hot_fraction": 2}, "tiered.warmup.hot_fraction: must be"),
+        ({"tiered.warmup.polcy": "x"}, "Did you mean tiered.warmup.policy"),
+        ({"tiered.cold.write": "around"}, "tiered.cold.write: expected one of"),
     ],
 )
 def test_bad_values_name_the_key(

@@ -1,0 +1,191 @@
+"""TieredBackend inside a real LMCache engine on CPU (sync and async loading)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import ENGINES, plugin_extra_config
+
+from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.bench import harness
+from lmcache_tiered.tier import Tier
+
+EngineFactory = Callable[..., Any]
+
+
+def warm_tier(backend: TieredBackend) -> Tier:
+    assert backend.cache is not None
+    return backend.cache.warm
+
+
+def tiered(engine: Any) -> TieredBackend:
+    backend = harness.get_backends(engine).get("tiered")
+    assert isinstance(backend, TieredBackend), "plugin did not load"
+    return backend
+
+
+@pytest.mark.parametrize("io_engine", ENGINES)
+@pytest.mark.parametrize("async_loading", [False, True], ids=["sync", "async"])
+def test_store_clear_cpu_retrieve_identical(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    io_engine: str,
+    async_loading: bool,
+) -> None:
+    engine, connector = engine_factory(
+        plugin_extra_config(device_dirs, io_engine=io_engine),
+        async_loading=async_loading,
+        save_unfull_chunk=True,
+    )
+    backend = tiered(engine)
+    assert warm_tier(backend).engine.name == io_engine
+    tokens = harness.make_tokens(1000, seed=1)  # 3 full chunks + a partial one
+    kv = harness.make_kv(connector, 1000, seed=2)
+    harness.store_tokens(engine, tokens, kv)
+    harness.wait_for_puts(engine, tokens)
+    assert len(backend.get_keys()) == 4
+    assert harness.clear_cpu_tier(engine) == 0
+    if async_loading:
+        assert harness.async_lookup(engine, tokens, "req-1") == 1000
+        out, mask = harness.retrieve_tokens(
+            engine, tokens, connector=connector, req_id="req-1"
+        )
+    else:
+        assert harness.lookup(engine, tokens) == 1000
+        out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 1000
+    assert torch.equal(out, kv)
+    assert warm_tier(backend).stats.hits == 4
+
+
+def test_bad_setting_is_logged_and_plugin_absent(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """LMCache only logs a plugin's constructor error: ours says what to fix."""
+    extra = plugin_extra_config(device_dirs, queue_depth="deep")
+    with caplog.at_level(logging.ERROR, logger="lmcache_tiered"):
+        engine, _ = engine_factory(extra)
+    assert "tiered" not in harness.get_backends(engine)
+    assert "tiered.queue_depth: expected a number, got 'deep'" in caplog.text
+
+
+def test_scheduler_role_without_cpu_backend(
+    device_dirs: list[Path], tmp_path: Path
+) -> None:
+    """In the scheduler role LMCache passes no CPU tier: the backend opens no
+    files (workers on the host keep theirs) and reports no hits."""
+    config = harness.build_config(extra_config=plugin_extra_config(device_dirs))
+    backend = TieredBackend(config=config, metadata=None, local_cpu_backend=None)
+    try:
+        key = harness_key(7)
+        assert backend.contains(key) is False
+        assert backend.get_blocking(key) is None
+        assert backend.batched_get_blocking([key]) == [None]
+        assert list(device_dirs[0].iterdir()) == []
+        with pytest.raises(RuntimeError, match="no LocalCPUBackend"):
+            backend.get_allocator_backend()
+    finally:
+        backend.close()
+
+
+def harness_key(i: int) -> Any:
+    from lmcache.utils import CacheEngineKey
+
+    return CacheEngineKey("m", 1, 0, i, torch.bfloat16, None)
+
+
+def test_put_skips_stored_and_queued_keys_and_keeps_refcounts(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    engine, connector = engine_factory(plugin_extra_config(device_dirs))
+    backend = tiered(engine)
+    tokens = harness.make_tokens(512, seed=3)
+    kv = harness.make_kv(connector, 512, seed=4)
+    harness.store_tokens(engine, tokens, kv)
+    harness.wait_for_puts(engine, tokens)
+    puts = warm_tier(backend).stats.puts
+    harness.store_tokens(engine, tokens, kv)  # the same chunks again
+    backend.flush()
+    assert warm_tier(backend).stats.puts == puts
+    cpu = harness.get_local_cpu_backend(engine)
+    assert cpu is not None
+    for key in harness.chunk_keys(engine, tokens):
+        obj = cpu.hot_cache[key]
+        assert obj.get_ref_count() == 1  # our write released its reference
+
+
+def test_close_drains_pending_writes(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    engine, connector = engine_factory(plugin_extra_config(device_dirs))
+    backend = tiered(engine)
+    tokens = harness.make_tokens(2048, seed=5)
+    harness.store_tokens(engine, tokens, harness.make_kv(connector, 2048, seed=6))
+    backend.close()
+    assert warm_tier(backend).stats.puts == 8
+    backend.close()  # idempotent
+
+
+RESTART_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from lmcache_tiered.bench import harness
+    paths, mode = sys.argv[1].split(","), sys.argv[2]
+    extra = {
+        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+        "storage_plugin.tiered.class_name": "TieredBackend",
+        "tiered.warm.paths": paths,
+        "tiered.warm.capacity_gb": 0.25,
+        "tiered.warmup.policy": "none",
+    }
+    cfg = harness.build_config(extra_config=extra, storage_plugins=["tiered"])
+    engine, conn = harness.build_engine(cfg)
+    tokens = harness.make_tokens(768, seed=11)
+    kv = harness.make_kv(conn, 768, seed=12)
+    if mode == "store":
+        harness.store_tokens(engine, tokens, kv)
+        harness.wait_for_puts(engine, tokens)
+        print("stored")
+    else:
+        print("lookup", harness.lookup(engine, tokens))
+        out, mask = harness.retrieve_tokens(engine, tokens, connector=conn)
+        print("retrieved", int(mask.sum()), torch.equal(out, kv))
+    harness.destroy_all_engines()
+    """
+)
+
+
+def test_restart_in_a_new_process_serves_the_same_data(device_dirs: list[Path]) -> None:
+    """Process 1 stores and exits; process 2 (same paths) serves every chunk.
+
+    PYTHONHASHSEED is fixed as in production: LMCache's token hash without
+    vLLM is Python's hash(), which changes per process otherwise.
+    """
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    paths = ",".join(str(d) for d in device_dirs)
+
+    def run(mode: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", RESTART_SCRIPT, paths, mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+
+    assert "stored" in run("store")
+    out = run("load")
+    assert "lookup 768" in out
+    assert "retrieved 768 True" in out

@@ -1,0 +1,251 @@
+"""Hot / warm / cold with a real LMCache engine: fall-through, promotion,
+demotion, warm-up policies, demand-first ordering and metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import plugin_extra_config
+from prometheus_client import generate_latest
+
+from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.bench import harness
+from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.warmup.base import Plan
+
+EngineFactory = Callable[..., Any]
+CHUNK = 256
+CHUNK_BYTES = 256 * 1024  # the harness's tiny model: 2 layers, 2 heads of 64
+#: capacity (GiB) of a warm tier that holds exactly two chunks
+TWO_CHUNKS_GB = 2 * (CHUNK_BYTES + 4096) / 2**30
+
+
+@pytest.fixture
+def cold_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "cold"
+    path.mkdir()
+    return path
+
+
+def cache_of(engine: Any) -> TieredCache:
+    backend = harness.get_backends(engine)["tiered"]
+    assert isinstance(backend, TieredBackend) and backend.cache is not None
+    return backend.cache
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, Any]:
+    tokens = harness.make_tokens(n_chunks * CHUNK, seed=seed)
+    kv = harness.make_kv(connector, n_chunks * CHUNK, seed=seed + 1)
+    harness.store_tokens(engine, tokens, kv)
+    cache_of(engine).flush()
+    return tokens, kv
+
+
+def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
+    engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
+) -> None:
+    extra = plugin_extra_config(
+        device_dirs,
+        **{
+            "warm.capacity_gb": TWO_CHUNKS_GB,
+            "cold.paths": [str(cold_dir)],
+            "cold.capacity_gb": 0.1,
+        },
+    )
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    cache = cache_of(engine)
+    first, first_kv = store(engine, connector, 2, seed=1)
+    second, _ = store(engine, connector, 2, seed=11)
+    first_keys = harness.chunk_keys(engine, first)
+    second_keys = harness.chunk_keys(engine, second)
+    # warm holds two chunks: the second request's demoted the first's to cold
+    assert [cache.tier_of(k) for k in first_keys + second_keys] == [
+        "cold",
+        "cold",
+        "warm",
+        "warm",
+    ]
+    assert cache.warm.stats.evictions == 2
+    harness.clear_cpu_tier(engine)
+    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
+    assert cache.tiers["cold"].stats.hits == 2
+    cache.flush()  # the cold hits were queued for a copy to warm
+    assert [cache.tier_of(k) for k in first_keys] == ["warm", "warm"]
+    # ... which demoted the second request's chunks: nothing was lost
+    assert [cache.tier_of(k) for k in second_keys] == ["cold", "cold"]
+    # a request bigger than warm: what warm cannot take goes straight to cold
+    third, _ = store(engine, connector, 3, seed=21)
+    assert all(cache.tier_of(k) for k in harness.chunk_keys(engine, third))
+
+
+def test_write_through_puts_every_chunk_in_both(
+    engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
+) -> None:
+    extra = plugin_extra_config(
+        device_dirs, **{"cold.paths": str(cold_dir), "cold.write": "through"}
+    )
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    cache = cache_of(engine)
+    tokens, _ = store(engine, connector, 3, seed=2)
+    for key in harness.chunk_keys(engine, tokens):
+        assert cache.tiers["warm"].header(key) is not None
+        assert cache.tiers["cold"].header(key) is not None
+
+
+def test_prefix_eviction_drops_tails_before_heads(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    """A new chain evicts the old chain's tail first, never its head."""
+    three = 3 * (CHUNK_BYTES + 4096) / 2**30
+    engine, connector = engine_factory(
+        plugin_extra_config(device_dirs, **{"warm.capacity_gb": three}),
+        chunk_size=CHUNK,
+    )
+    cache = cache_of(engine)
+    old, _ = store(engine, connector, 3, seed=3)
+    store(engine, connector, 1, seed=4)
+    present = [cache.tier_of(k) for k in harness.chunk_keys(engine, old)]
+    assert present == ["warm", "warm", None]
+
+
+def test_lookahead_promotes_the_found_prefix_to_hot(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    extra = plugin_extra_config(device_dirs, **{"warmup.policy": "lookahead"})
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    cache = cache_of(engine)
+    tokens, kv = store(engine, connector, 4, seed=5)
+    harness.clear_cpu_tier(engine)
+    keys = harness.chunk_keys(engine, tokens)
+    assert harness.lookup(engine, tokens) == 4 * CHUNK
+    wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
+    assert cache.promoter.stats.bytes_promoted_hot == 4 * CHUNK_BYTES
+    reads = cache.warm.stats.hits
+    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
+    assert cache.warm.stats.hits == reads  # served from hot: no disk read
+    # a second lookup pins the promoted chunks in hot: counted as used
+    harness.lookup(engine, tokens, pin=True, lookup_id="again")
+    engine.lookup_unpin("again")
+    assert cache.promoter.stats.timely == 4
+    assert cache.promoter.stats.precision == 1.0
+
+
+def test_lookahead_plans_nothing_for_unseen_random_lookups(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    extra = plugin_extra_config(device_dirs, **{"warmup.policy": "lookahead"})
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    store(engine, connector, 2, seed=6)
+    for seed in range(10, 20):
+        assert harness.lookup(engine, harness.make_tokens(2 * CHUNK, seed=seed)) == 0
+    time.sleep(0.2)
+    stats = cache_of(engine).promoter.stats
+    assert stats.plans == 0 and stats.bytes_promoted_hot == 0
+
+
+def test_hint_over_loopback_promotes_before_lookup(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    from lmcache_tiered.warmup.hints import send_hint
+
+    extra = plugin_extra_config(
+        device_dirs, **{"warmup.policy": "hinted", "warmup.hint_port": 0}
+    )
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    backend = harness.get_backends(engine)["tiered"]
+    assert isinstance(backend, TieredBackend) and backend.hint_server is not None
+    cache = cache_of(engine)
+    tokens, _ = store(engine, connector, 3, seed=7)
+    harness.clear_cpu_tier(engine)
+    assert send_hint(backend.hint_server.url, tokens.tolist(), deadline_s=5.0)
+    keys = harness.chunk_keys(engine, tokens)
+    wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
+
+
+def test_demand_reads_go_before_a_flood_of_warmup(
+    engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
+) -> None:
+    """Ordering, not wall time: while a demand read runs no warm-up unit starts,
+    and the flood's queued keys that the demand read serves are dropped."""
+    extra = plugin_extra_config(
+        device_dirs,
+        **{"cold.paths": str(cold_dir), "warmup.bandwidth_mbps": 5},
+    )
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    cache = cache_of(engine)
+    tokens, kv = store(engine, connector, 12, seed=8)
+    keys = harness.chunk_keys(engine, tokens)
+    log: list[tuple[str, str]] = []
+    execute = cache.promoter._execute
+
+    def logged_execute(target: str, unit: list[Any]) -> None:
+        log.append(("warmup-start", target))
+        execute(target, unit)
+
+    cache.promoter._execute = logged_execute  # type: ignore[method-assign]
+    read = cache.warm.read
+
+    def logged_read(*args: Any, **kwargs: Any) -> Any:
+        log.append(("read-start", ""))
+        try:
+            return read(*args, **kwargs)
+        finally:
+            log.append(("read-end", ""))
+
+    cache.warm.read = logged_read  # type: ignore[method-assign]
+    # a flood: every key, to hot, at 5 MB/s so it takes a while
+    harness.clear_cpu_tier(engine)
+    cache.promoter.submit([Plan(tuple(keys), "hot", time.monotonic() + 60)])
+    wait_until(lambda: ("warmup-start", "hot") in log)
+    with cache.promoter.demand(keys):
+        log.append(("demand-start", ""))
+        time.sleep(0.3)  # the promoter must stay idle meanwhile
+        log.append(("demand-end", ""))
+    begin = log.index(("demand-start", ""))
+    end = log.index(("demand-end", ""))
+    assert all(event != "warmup-start" for event, _ in log[begin:end])
+    assert cache.promoter.stats.late > 0
+
+
+def test_unknown_policy_is_a_clear_error(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    extra = plugin_extra_config(device_dirs, **{"warmup.policy": "psychic"})
+    with caplog.at_level(logging.ERROR, logger="lmcache_tiered"):
+        engine, _ = engine_factory(extra)
+    assert "tiered" not in harness.get_backends(engine)
+    assert "tiered.warmup.policy" in caplog.text and "lookahead" in caplog.text
+
+
+def test_metrics_snapshot_and_prometheus(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    engine, connector = engine_factory(plugin_extra_config(device_dirs))
+    tokens, _ = store(engine, connector, 2, seed=9)
+    harness.clear_cpu_tier(engine)
+    harness.retrieve_tokens(engine, tokens, connector=connector)
+    snap = cache_of(engine).snapshot()
+    assert snap["tiers"]["warm"]["hits"] == 2
+    assert snap["tiers"]["warm"]["bytes_written"] == 2 * CHUNK_BYTES
+    assert snap["warmup"]["policy"] == "none"
+    text = generate_latest().decode()
+    assert 'lmcache_tiered_tier_hits_total{tier="warm"} 2.0' in text
+    assert "lmcache_tiered_tier_read_seconds_bucket" in text
+    assert 'lmcache_tiered_warmup_plans_total{policy="none"}' in text
