@@ -1,0 +1,432 @@
+"""The built-in warm-up policies: none, lookahead, session, frequency, hinted.
+
+Each one only decides (no I/O, no lock held across a call to the view or the
+promoter) and plans nothing for a chunk already in its target tier or above,
+nor for a chunk stored nowhere. Each remembers what it planned and does not
+plan the same chunk again for the same or a lower tier before that plan's
+deadline, so repeated events (vLLM asks again for a waiting request) cost the
+promoter nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from lmcache.utils import CacheEngineKey
+
+from lmcache_tiered.warmup.base import CacheView, Plan, TierName, WarmupPolicy
+
+_RANK: dict[TierName, int] = {"cold": 0, "warm": 1, "hot": 2}
+#: planned-key records kept before expired ones are swept (amortised O(1))
+_SWEEP_MIN = 4096
+
+
+def _require(ok: bool, param: str, rule: str, value: object) -> None:
+    """Raise the ValueError the registry turns into ``tiered.warmup.<name>.<param>``."""
+    if not ok:
+        raise ValueError(f"{param}: must be {rule}, got {value!r}")
+
+
+class NoWarmup(WarmupPolicy):
+    """No warm-up: the baseline.
+
+    Helps when accesses are random or contexts tiny (nothing to predict, so any
+    read ahead only costs bandwidth); never helps a predictable workload.
+    """
+
+    name = "none"
+
+
+class _Planner(WarmupPolicy):
+    """Shared by the built-ins: one lock and the filter every plan goes through.
+
+    Subclasses guard their own state with ``self._lock`` and call
+    :meth:`_plan` after releasing it (it consults the view, then takes the lock).
+    """
+
+    def __init__(self, view: CacheView) -> None:
+        super().__init__(view)
+        self._lock = threading.Lock()
+        #: key -> (rank of the tier it was planned for, that plan's deadline)
+        self._planned: dict[CacheEngineKey, tuple[int, float]] = {}
+        self._sweep_at = _SWEEP_MIN
+
+    def _plan(
+        self,
+        keys: Iterable[CacheEngineKey],
+        target: Literal["hot", "warm"],
+        deadline: float,
+    ) -> list[Plan]:
+        """One plan for those of ``keys`` (order kept) that are stored below
+        ``target`` and not already planned for it before an unexpired deadline."""
+        now = self.view.now()
+        if deadline <= now:
+            return []
+        rank = _RANK[target]
+        below = [
+            key
+            for key in keys
+            if (where := self.view.where(key)) is not None and _RANK[where] < rank
+        ]
+        chosen = []
+        with self._lock:
+            for key in below:
+                prior = self._planned.get(key)
+                if prior is not None and prior[0] >= rank and prior[1] > now:
+                    continue
+                self._planned[key] = (rank, deadline)
+                chosen.append(key)
+            if len(self._planned) > self._sweep_at:
+                self._planned = {k: v for k, v in self._planned.items() if v[1] > now}
+                self._sweep_at = max(_SWEEP_MIN, 2 * len(self._planned))
+        return [Plan(tuple(chosen), target, deadline)] if chosen else []
+
+
+class LookaheadPolicy(_Planner):
+    """On lookup, promote the prefix found below hot to hot, and the prefix's
+    known continuation (children learned at store time) to warm.
+
+    Helps when retrieve follows lookup by more than a read (vLLM defers a
+    request that does not fit this step, async loading) and when requests
+    extend earlier ones (the continuation is then ready on local NVMe). Does
+    little when retrieve follows at once: the promoter yields to demand reads,
+    so it is at worst a duplicate that gets dropped. The continuation goes to
+    warm, not hot: this request does not need it (its own lookup missed it),
+    so it is a guess, and a guess must not take the small hot budget.
+    """
+
+    name = "lookahead"
+
+    def __init__(
+        self,
+        view: CacheView,
+        *,
+        window_s: float = 2.0,
+        continuation_chunks: int = 8,
+    ) -> None:
+        super().__init__(view)
+        _require(window_s > 0, "window_s", "greater than 0", window_s)
+        _require(
+            continuation_chunks >= 0, "continuation_chunks", ">= 0", continuation_chunks
+        )
+        self.window_s = window_s
+        self.continuation_chunks = continuation_chunks
+
+    def on_lookup(self, keys: Sequence[CacheEngineKey], hits: int) -> list[Plan]:
+        if hits <= 0:
+            return []
+        found = keys[:hits]
+        deadline = self.view.now() + self.window_s
+        plans = self._plan(found, "hot", deadline)
+        if self.continuation_chunks:
+            following = self.view.continuation(found[-1], self.continuation_chunks)
+            plans += self._plan(following, "warm", deadline)
+        return plans
+
+
+@dataclass(slots=True)
+class _Session:
+    """A conversation as of its last store: the whole chain and when."""
+
+    chain: tuple[CacheEngineKey, ...]
+    stored_at: float
+    #: this conversation's own average gap between a store and its next turn
+    gap: float | None
+
+
+@dataclass(slots=True)
+class _Sighting:
+    """One lookup, shared by every key of it (``_seen``): lets a store of new
+    keys find the chain head it extends."""
+
+    keys: tuple[CacheEngineKey, ...]
+    gap: float | None
+
+
+class SessionPolicy(_Planner):
+    """Multi-turn chat: the next turn of a conversation looks up the whole
+    chain its last turn stored, after a think time that is learned.
+
+    A chain is the lookup's keys up to the first newly stored key plus the
+    stored keys. The gap from a store to the lookup that extends its chain is
+    averaged (EWMA) per conversation and over all; ``warm_lead_s`` before the
+    expected next turn the chain is brought back to warm (cold -> warm: it may
+    have been demoted meanwhile), ``lead_s`` before it to hot.
+
+    Helps chat and agent loops whose think time exceeds a cold read; needs one
+    observed gap before it predicts anything. Does not help single-turn
+    traffic (nothing extends a chain) and wastes hot space on conversations
+    that end: keep ``lead_s`` short so such guesses expire quickly. Memory:
+    ``max_sessions`` chains (least recently stored dropped first) plus the
+    keys of recent lookups.
+    """
+
+    name = "session"
+
+    #: recently looked-up keys remembered to join stores to their chains
+    SEEN_KEYS = 1 << 16
+
+    def __init__(
+        self,
+        view: CacheView,
+        *,
+        lead_s: float = 1.0,
+        warm_lead_s: float = 10.0,
+        ewma_alpha: float = 0.3,
+        max_sessions: int = 1024,
+        max_gap_s: float = 900.0,
+    ) -> None:
+        super().__init__(view)
+        _require(lead_s > 0, "lead_s", "greater than 0", lead_s)
+        _require(warm_lead_s >= lead_s, "warm_lead_s", ">= lead_s", warm_lead_s)
+        _require(0 < ewma_alpha <= 1, "ewma_alpha", "in (0, 1]", ewma_alpha)
+        _require(max_sessions > 0, "max_sessions", "greater than 0", max_sessions)
+        _require(max_gap_s > lead_s, "max_gap_s", "greater than lead_s", max_gap_s)
+        self.lead_s = lead_s
+        self.warm_lead_s = warm_lead_s
+        self.ewma_alpha = ewma_alpha
+        self.max_sessions = max_sessions
+        self.max_gap_s = max_gap_s
+        #: chain tail -> session, least recently stored first
+        self._sessions: OrderedDict[CacheEngineKey, _Session] = OrderedDict()
+        #: key -> (latest lookup holding it, its position there)
+        self._seen: OrderedDict[CacheEngineKey, tuple[_Sighting, int]] = OrderedDict()
+        #: (when, seq, session, target, deadline): a promotion stage falling due
+        self._due: list[tuple[float, int, _Session, Literal["hot", "warm"], float]] = []
+        self._seq = itertools.count()
+        self._gap: float | None = None
+
+    def _average(self, old: float | None, sample: float) -> float:
+        return sample if old is None else old + self.ewma_alpha * (sample - old)
+
+    def on_lookup(self, keys: Sequence[CacheEngineKey], hits: int) -> list[Plan]:
+        now = self.view.now()
+        with self._lock:
+            gap = None
+            # The latest key that ends a stored chain: this request is its next turn.
+            tail = next((k for k in reversed(keys) if k in self._sessions), None)
+            if tail is not None:
+                session = self._sessions.pop(tail)
+                sample = now - session.stored_at
+                if sample <= self.max_gap_s:
+                    self._gap = self._average(self._gap, sample)
+                    gap = self._average(session.gap, sample)
+            sighting = _Sighting(tuple(keys), gap)
+            for position, key in enumerate(sighting.keys):
+                self._seen[key] = (sighting, position)
+                self._seen.move_to_end(key)
+            while len(self._seen) > self.SEEN_KEYS:
+                self._seen.popitem(last=False)
+        return []
+
+    def on_store(self, keys: Sequence[CacheEngineKey]) -> list[Plan]:
+        if not keys:
+            return []
+        now = self.view.now()
+        with self._lock:
+            seen = self._seen.get(keys[0])
+            if seen is None:
+                session = _Session(tuple(keys), now, None)
+            else:
+                sighting, position = seen
+                session = _Session(
+                    sighting.keys[:position] + tuple(keys), now, sighting.gap
+                )
+                if position:
+                    # An earlier store of this request (chunked prefill) ended
+                    # where this one starts: this chain supersedes it.
+                    self._sessions.pop(sighting.keys[position - 1], None)
+            tail = session.chain[-1]
+            self._sessions.pop(tail, None)
+            self._sessions[tail] = session
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            gap = session.gap if session.gap is not None else self._gap
+            if gap is not None:
+                expected, due, seq = now + gap, self._due, self._seq
+                deadline = expected + self.lead_s
+                when = expected - self.warm_lead_s
+                heapq.heappush(due, (when, next(seq), session, "warm", deadline))
+                when = expected - self.lead_s
+                heapq.heappush(due, (when, next(seq), session, "hot", deadline))
+        return []
+
+    def on_tick(self, now: float) -> list[Plan]:
+        stages = []
+        with self._lock:
+            while self._due and self._due[0][0] <= now:
+                _, _, session, target, deadline = heapq.heappop(self._due)
+                if self._sessions.get(session.chain[-1]) is session:
+                    stages.append((session.chain, target, deadline))
+        plans: list[Plan] = []
+        for chain, target, deadline in stages:
+            plans += self._plan(chain, target, deadline)
+        return plans
+
+
+@dataclass(slots=True)
+class _Count:
+    value: float
+    #: time of the last counted access (``value`` is as of then)
+    at: float
+
+
+class FrequencyPolicy(_Planner):
+    """Decayed access counts: shared system prompts and few-shot prefixes
+    stay hot or warm; doubles as an admission filter for NVMe writes.
+
+    Lookups, hints and hits each count an access to their keys; accesses of a
+    key closer together than ``same_access_s`` count once (a hint, the lookups
+    of a waiting request and its reads are one access). Counts halve every
+    ``half_life_s``. A key is "seen n times" when its count exceeds n - 1
+    (decay has taken less than one access off). Every ``scan_s`` (on a tick),
+    of the keys seen ``warm_after`` times the ``top_k`` most counted are kept
+    warm, and those seen ``hot_after`` times hot.
+
+    ``admit(key)`` is False until the key is seen ``admit_after_hits`` times,
+    counting the request that stores it: 0 or 1 admit every chunk (default:
+    the filter is off, as a warm-up policy must not silently drop writes);
+    2 spares the SSD every chunk used once, at the price of a recompute the
+    second time it is used. Helps skewed popularity (shared prefixes); does
+    not help when every context is used once (nothing reaches ``warm_after``).
+    Memory: counts of the ``max_keys`` most recently accessed keys.
+    """
+
+    name = "frequency"
+
+    def __init__(
+        self,
+        view: CacheView,
+        *,
+        half_life_s: float = 600.0,
+        warm_after: int = 2,
+        hot_after: int = 4,
+        top_k: int = 256,
+        window_s: float = 10.0,
+        scan_s: float = 1.0,
+        same_access_s: float = 1.0,
+        admit_after_hits: int = 0,
+        max_keys: int = 1 << 16,
+    ) -> None:
+        super().__init__(view)
+        _require(half_life_s > 0, "half_life_s", "greater than 0", half_life_s)
+        _require(warm_after >= 1, "warm_after", ">= 1", warm_after)
+        _require(hot_after >= warm_after, "hot_after", ">= warm_after", hot_after)
+        _require(top_k > 0, "top_k", "greater than 0", top_k)
+        _require(window_s > 0, "window_s", "greater than 0", window_s)
+        _require(scan_s >= 0, "scan_s", ">= 0", scan_s)
+        _require(same_access_s >= 0, "same_access_s", ">= 0", same_access_s)
+        _require(admit_after_hits >= 0, "admit_after_hits", ">= 0", admit_after_hits)
+        _require(max_keys > 0, "max_keys", "greater than 0", max_keys)
+        self.half_life_s = half_life_s
+        self.warm_after = warm_after
+        self.hot_after = hot_after
+        self.top_k = top_k
+        self.window_s = window_s
+        self.scan_s = scan_s
+        self.same_access_s = same_access_s
+        self.admit_after_hits = admit_after_hits
+        self.max_keys = max_keys
+        #: key -> count, least recently accessed first
+        self._counts: OrderedDict[CacheEngineKey, _Count] = OrderedDict()
+        #: keys whose count reached ``warm_after`` (checked each tick), in the
+        #: order they did: ties in count keep it, so prefix heads plan first
+        self._popular: dict[CacheEngineKey, None] = {}
+        self._next_scan = float("-inf")
+
+    def _decayed(self, count: _Count, now: float) -> float:
+        return count.value * 0.5 ** ((now - count.at) / self.half_life_s)
+
+    def _access(self, keys: Iterable[CacheEngineKey]) -> list[Plan]:
+        now = self.view.now()
+        with self._lock:
+            for key in keys:
+                count = self._counts.get(key)
+                if count is None:
+                    count = self._counts[key] = _Count(0.0, now)
+                elif now - count.at < self.same_access_s:
+                    self._counts.move_to_end(key)
+                    continue
+                count.value = self._decayed(count, now) + 1.0
+                count.at = now
+                self._counts.move_to_end(key)
+                if count.value > self.warm_after - 1:
+                    self._popular[key] = None
+            while len(self._counts) > self.max_keys:
+                self._popular.pop(self._counts.popitem(last=False)[0], None)
+        return []
+
+    def on_hint(
+        self, keys: Sequence[CacheEngineKey], deadline: float | None
+    ) -> list[Plan]:
+        return self._access(keys)
+
+    def on_lookup(self, keys: Sequence[CacheEngineKey], hits: int) -> list[Plan]:
+        return self._access(keys)
+
+    def on_hit(self, key: CacheEngineKey, tier: TierName) -> list[Plan]:
+        return self._access((key,))
+
+    def on_tick(self, now: float) -> list[Plan]:
+        with self._lock:
+            if now < self._next_scan:
+                return []
+            self._next_scan = now + self.scan_s
+            scored = []
+            for key in list(self._popular):
+                value = self._decayed(self._counts[key], now)
+                if value > self.warm_after - 1:
+                    scored.append((value, key))
+                else:
+                    del self._popular[key]
+        top = heapq.nlargest(self.top_k, scored, key=lambda item: item[0])
+        hot = [key for value, key in top if value > self.hot_after - 1]
+        warm = [key for value, key in top if value <= self.hot_after - 1]
+        deadline = now + self.window_s
+        return self._plan(hot, "hot", deadline) + self._plan(warm, "warm", deadline)
+
+    def admit(self, key: CacheEngineKey) -> bool:
+        if self.admit_after_hits <= 1:
+            return True
+        now = self.view.now()
+        with self._lock:
+            count = self._counts.get(key)
+            return (
+                count is not None
+                and self._decayed(count, now) > self.admit_after_hits - 1
+            )
+
+
+class HintedPolicy(_Planner):
+    """On an arrival hint, promote the request's cached prefix to hot while
+    the request waits in vLLM's queue.
+
+    The prefix is the keys stored somewhere, contiguous from the head (a
+    chunk after the first miss is useless to LMCache). The deadline is the
+    hint's, or ``window_s`` from now. Helps when requests queue longer than a
+    cold read (load bursts, long prefill ahead of them) and something sends
+    hints (the vLLM plugin, a router); does nothing without hints.
+    """
+
+    name = "hinted"
+
+    def __init__(self, view: CacheView, *, window_s: float = 5.0) -> None:
+        super().__init__(view)
+        _require(window_s > 0, "window_s", "greater than 0", window_s)
+        self.window_s = window_s
+
+    def on_hint(
+        self, keys: Sequence[CacheEngineKey], deadline: float | None
+    ) -> list[Plan]:
+        cached = list(
+            itertools.takewhile(lambda key: self.view.where(key) is not None, keys)
+        )
+        if deadline is None:
+            deadline = self.view.now() + self.window_s
+        return self._plan(cached, "hot", deadline)

@@ -1,0 +1,108 @@
+"""The loopback hint endpoint and its client, over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from lmcache_tiered.warmup.hints import HintServer, send_hint
+
+
+class Recorder:
+    """An on_hint callback that keeps what it gets."""
+
+    def __init__(self) -> None:
+        self.hints: list[tuple[list[int], float | None]] = []
+
+    def __call__(self, token_ids: list[int], *, deadline_s: float | None) -> None:
+        self.hints.append((token_ids, deadline_s))
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def server(recorder: Recorder) -> Iterator[HintServer]:
+    hint_server = HintServer(on_hint=recorder)
+    yield hint_server
+    hint_server.close()
+
+
+def post(url: str, body: bytes) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_hint_reaches_callback(server: HintServer, recorder: Recorder) -> None:
+    assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/hint")
+    assert send_hint(server.url, [1, 2, 3], deadline_s=1.5)
+    assert send_hint(server.url, range(4))
+    assert recorder.hints == [([1, 2, 3], 1.5), ([0, 1, 2, 3], None)]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"token_ids": "1 2"}', "token_ids"),
+        (b'{"token_ids": [1, -2]}', "token_ids"),
+        (b'{"token_ids": [1, true]}', "token_ids"),
+        (b'{"token_ids": [1], "deadline_s": -1}', "deadline_s"),
+        (b'{"token_ids": [1], "deadline_s": "soon"}', "deadline_s"),
+    ],
+)
+def test_bad_body_is_400_with_reason(
+    server: HintServer, recorder: Recorder, body: bytes, reason: str
+) -> None:
+    status, message = post(server.url, body)
+    assert status == 400 and reason in message
+    assert recorder.hints == []
+
+
+def test_wrong_path_is_404(server: HintServer) -> None:
+    status, _ = post(server.url.replace("/hint", "/other"), b'{"token_ids": [1]}')
+    assert status == 404
+    assert not send_hint(server.url.replace("/hint", "/other"), [1])
+
+
+def test_failing_callback_is_500_and_server_survives(recorder: Recorder) -> None:
+    def broken(token_ids: list[int], *, deadline_s: float | None) -> None:
+        raise RuntimeError("boom")
+
+    hint_server = HintServer(on_hint=broken)
+    try:
+        assert post(hint_server.url, b'{"token_ids": [1]}')[0] == 500
+        assert not send_hint(hint_server.url, [1])
+    finally:
+        hint_server.close()
+
+
+def test_client_never_raises() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}/hint"
+    assert not send_hint(dead, [1, 2], timeout=0.2)
+    assert not send_hint("not a url", [1])
+
+
+def test_close_releases_port(recorder: Recorder) -> None:
+    first = HintServer(on_hint=recorder)
+    port = int(first.url.rsplit(":", 1)[1].split("/")[0])
+    first.close()
+    second = HintServer(port=port, on_hint=recorder)
+    try:
+        assert send_hint(second.url, [5])
+    finally:
+        second.close()
+    assert recorder.hints == [([5], None)]
