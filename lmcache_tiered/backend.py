@@ -40,7 +40,7 @@ from lmcache.v1.token_database import ChunkedTokenDatabase
 
 from lmcache_tiered.cache import PutCallback, TieredCache
 from lmcache_tiered.config import ConfigError, TieredConfig
-from lmcache_tiered.metrics import TieredCollector, WarmupStats
+from lmcache_tiered.metrics import WarmupStats, collector
 from lmcache_tiered.warmup.hints import HintServer
 
 logger = logging.getLogger("lmcache_tiered")
@@ -104,8 +104,8 @@ class TieredBackend(StoragePluginInterface):
         self._async_pins: dict[str, list[CacheEngineKey]] = {}
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="lmcache-tiered-read")
         self._closed = False
-        self._collector = TieredCollector(self.metrics_snapshot)
-        self._collector.register()
+        owner = "scheduler" if metadata is None else f"w{metadata.worker_id}"
+        self._metrics_label = collector().add_source(owner, self.metrics_snapshot)
         self._log_ready()
 
     def _open_cache(
@@ -313,7 +313,7 @@ class TieredBackend(StoragePluginInterface):
             return
         self._closed = True
         self._readers.shutdown(wait=True)
-        self._collector.unregister()
+        collector().remove_source(self._metrics_label)
         if self.hint_server is not None:
             self.hint_server.close()
         if self.cache is not None:

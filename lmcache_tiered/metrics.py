@@ -8,6 +8,8 @@ is one source of truth. Prometheus names carry the ``lmcache_tiered_`` prefix.
 from __future__ import annotations
 
 import bisect
+import itertools
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,48 +87,82 @@ _WARMUP_COUNTERS = (
 
 
 class TieredCollector(Collector):
-    """Exposes a backend's :func:`snapshot` to Prometheus at scrape time."""
+    """Exposes every live backend's snapshot to Prometheus at scrape time.
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self._snapshot = snapshot
+    One collector per process (Prometheus refuses duplicate series); each
+    backend adds itself with :func:`add_source` under a unique ``instance``
+    label, so several backends in one process (benchmarks, tests) coexist.
+    """
 
-    def collect(self) -> Iterator[Any]:
-        snap = self._snapshot()
-        for name in _TIER_COUNTERS:
-            family = CounterMetricFamily(
-                f"lmcache_tiered_tier_{name}", f"{name} per tier", labels=["tier"]
-            )
-            for tier, stats in snap["tiers"].items():
-                family.add_metric([tier], stats[name])
-            yield family
-        used = GaugeMetricFamily(
-            "lmcache_tiered_tier_used_bytes", "disk bytes held", labels=["tier"]
-        )
-        latency = HistogramMetricFamily(
-            "lmcache_tiered_tier_read_seconds", "chunk read latency", labels=["tier"]
-        )
-        for tier, stats in snap["tiers"].items():
-            used.add_metric([tier], stats["used_bytes"])
-            counts, running = stats["read_latency"]["counts"], 0
-            buckets = []
-            for bound, count in zip(
-                (*LATENCY_BOUNDS_S, float("inf")), counts, strict=True
-            ):
-                running += count
-                buckets.append((str(bound), running))
-            latency.add_metric([tier], buckets, stats["read_latency"]["total_s"])
-        yield used
-        yield latency
-        warmup = snap["warmup"]
-        for name in _WARMUP_COUNTERS:
-            family = CounterMetricFamily(
-                f"lmcache_tiered_warmup_{name}", f"warm-up {name}", labels=["policy"]
-            )
-            family.add_metric([warmup["policy"]], warmup[name])
-            yield family
-
-    def register(self) -> None:
+    def __init__(self) -> None:
+        self._sources: dict[str, Callable[[], dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+        self._serial = itertools.count()
         REGISTRY.register(self)
 
-    def unregister(self) -> None:
-        REGISTRY.unregister(self)
+    def add_source(self, name: str, snapshot: Callable[[], dict[str, Any]]) -> str:
+        """Start exporting ``snapshot()``; returns the instance label used."""
+        with self._lock:
+            label = (
+                name if name not in self._sources else f"{name}-{next(self._serial)}"
+            )
+            self._sources[label] = snapshot
+            return label
+
+    def remove_source(self, label: str) -> None:
+        with self._lock:
+            self._sources.pop(label, None)
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            sources = list(self._sources.items())
+        snaps = [(label, snapshot()) for label, snapshot in sources]
+        tier_labels = ["instance", "tier"]
+        for name in _TIER_COUNTERS:
+            family = CounterMetricFamily(
+                f"lmcache_tiered_tier_{name}", f"{name} per tier", labels=tier_labels
+            )
+            for label, snap in snaps:
+                for tier, stats in snap["tiers"].items():
+                    family.add_metric([label, tier], stats[name])
+            yield family
+        used = GaugeMetricFamily(
+            "lmcache_tiered_tier_used_bytes", "disk bytes held", labels=tier_labels
+        )
+        latency = HistogramMetricFamily(
+            "lmcache_tiered_tier_read_seconds", "chunk read latency", labels=tier_labels
+        )
+        for label, snap in snaps:
+            for tier, stats in snap["tiers"].items():
+                used.add_metric([label, tier], stats["used_bytes"])
+                histogram = stats["read_latency"]
+                counts = itertools.accumulate(histogram["counts"])
+                bounds = (*LATENCY_BOUNDS_S, float("inf"))
+                buckets = [(str(b), c) for b, c in zip(bounds, counts, strict=True)]
+                latency.add_metric([label, tier], buckets, histogram["total_s"])
+        yield used
+        yield latency
+        for name in _WARMUP_COUNTERS:
+            family = CounterMetricFamily(
+                f"lmcache_tiered_warmup_{name}",
+                f"warm-up {name}",
+                labels=["instance", "policy"],
+            )
+            for label, snap in snaps:
+                family.add_metric(
+                    [label, snap["warmup"]["policy"]], snap["warmup"][name]
+                )
+            yield family
+
+
+_collector: TieredCollector | None = None
+_collector_lock = threading.Lock()
+
+
+def collector() -> TieredCollector:
+    """The process's collector, registered with Prometheus on first use."""
+    global _collector
+    with _collector_lock:
+        if _collector is None:
+            _collector = TieredCollector()
+        return _collector

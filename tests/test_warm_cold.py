@@ -246,6 +246,6 @@ def test_metrics_snapshot_and_prometheus(
     assert snap["tiers"]["warm"]["bytes_written"] == 2 * CHUNK_BYTES
     assert snap["warmup"]["policy"] == "none"
     text = generate_latest().decode()
-    assert 'lmcache_tiered_tier_hits_total{tier="warm"} 2.0' in text
+    assert 'lmcache_tiered_tier_hits_total{instance="w0",tier="warm"} 2.0' in text
     assert "lmcache_tiered_tier_read_seconds_bucket" in text
-    assert 'lmcache_tiered_warmup_plans_total{policy="none"}' in text
+    assert 'lmcache_tiered_warmup_plans_total{instance="w0",policy="none"}' in text
