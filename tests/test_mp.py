@@ -1,0 +1,528 @@
+"""TieredL2Adapter in LMCache's multi-process mode, on CPU.
+
+End to end through LMCache's own MP components: ``StorageManager`` (L1
+manager, store controller, prefetch controller) built from the same
+``--l2-adapter`` JSON as ``lmcache server`` (``parse_args_to_l2_adapters_config``,
+lmcache/v1/distributed/config.py:1065; adapter built by
+storage_manager.py:1473 -> plugin_l2_adapter.py:154-176).
+
+The other tests drive the adapter through its interface the way LMCache does,
+and as LMCache's own adapter check does (lmcache/v1/check/
+check_mode_test_l2_adapter.py:101-138): submit, poll the operation's event fd,
+consume it, then query. Callers in LMCache 0.5.6:
+
+- store: storage_controllers/store_controller.py:663 (submit_store_task),
+  :712 (pop_completed_store_tasks), :299 (store event fd);
+- lookup-and-lock: storage_controllers/prefetch_controller.py:1049 (submit),
+  :1170 (query), :507 (event fd);
+- unlock: prefetch_controller.py:1143, :1264, :1443, :1624;
+- load: prefetch_controller.py:1305 (submit), :1419 (query), :510 (event fd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import ENGINES
+from lmcache.lmcache_native import Bitmap
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.distributed.api import (
+    GroupedObjectKeys,
+    MemoryLayoutDesc,
+    ObjectKey,
+    PrefetchTaskSpec,
+)
+from lmcache.v1.distributed.config import (
+    EvictionConfig,
+    L1ManagerConfig,
+    L1MemoryManagerConfig,
+    StorageManagerConfig,
+)
+from lmcache.v1.distributed.internal_api import L1MemoryDesc
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+from lmcache.v1.distributed.storage_manager import StorageManager
+from lmcache.v1.memory_management import (
+    MemoryFormat,
+    MemoryObjMetadata,
+    TensorMemoryObj,
+)
+from lmcache.v1.platform import consume_fd
+from lmcache.v1.storage_backend.raw_block.key_codec import object_key_to_string
+
+from lmcache_tiered.bench.mpbench import mp_read_gbps
+from lmcache_tiered.config import GIB, ConfigError, TieredConfig
+from lmcache_tiered.io import aligned_buffer
+from lmcache_tiered.io.uring import UringEngine
+from lmcache_tiered.keys import key_digest, key_from_string, key_text
+from lmcache_tiered.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
+
+#: Two object groups, as vLLM's MP connector lays out hybrid models.
+LAYOUT = MemoryLayoutDesc(
+    [torch.Size([2, 4, 1000]), torch.Size([3, 7])], [torch.bfloat16, torch.float32]
+)
+CHUNK = 64 << 10  # bytes of one chunk in the direct-interface tests
+TIMEOUT_MS = 20_000
+
+
+def okey(i: int, model: str = "org/model") -> ObjectKey:
+    return ObjectKey(chunk_hash=i.to_bytes(8, "big"), model_name=model, kv_rank=0)
+
+
+def plugin_json(params: dict[str, Any]) -> str:
+    return json.dumps(
+        {
+            "type": "plugin",
+            "module_path": "lmcache_tiered.mp",
+            "class_name": "TieredL2Adapter",
+            "adapter_params": params,
+        }
+    )
+
+
+def params(dirs: list[Path], **settings: Any) -> dict[str, Any]:
+    return {"warm.paths": [str(d) for d in dirs], "warm.capacity_gb": 0.25, **settings}
+
+
+# --------------------------------------------------------------- helpers
+
+
+class Caller:
+    """Drives an adapter as LMCache's controllers do (see the module doc)."""
+
+    def __init__(self, adapter: TieredL2Adapter) -> None:
+        self.adapter = adapter
+
+    @staticmethod
+    def _wait(fd: int) -> None:
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        assert poll.poll(TIMEOUT_MS), "no completion signalled"
+        consume_fd(fd)
+
+    def store(self, keys: list[ObjectKey], objs: list[TensorMemoryObj]) -> bool:
+        task = self.adapter.submit_store_task(keys, objs)
+        while True:
+            self._wait(self.adapter.get_store_event_fd())
+            done = self.adapter.pop_completed_store_tasks()
+            if task in done:
+                return done[task].is_successful()
+
+    def lookup(self, keys: list[ObjectKey]) -> list[int]:
+        task = self.adapter.submit_lookup_and_lock_task(keys, {0: LAYOUT})
+        return self._result(
+            self.adapter.get_lookup_and_lock_event_fd(),
+            lambda: self.adapter.query_lookup_and_lock_result(task),
+        )
+
+    def load(self, keys: list[ObjectKey], objs: list[TensorMemoryObj]) -> list[int]:
+        task = self.adapter.submit_load_task(keys, objs)
+        return self._result(
+            self.adapter.get_load_event_fd(),
+            lambda: self.adapter.query_load_result(task),
+        )
+
+    def _result(self, fd: int, query: Callable[[], Bitmap | None]) -> list[int]:
+        while (bitmap := query()) is None:
+            self._wait(fd)
+        return list(bitmap.get_indices_list())
+
+
+def memory_obj(nbytes: int = CHUNK, seed: int | None = None) -> TensorMemoryObj:
+    """A caller-owned buffer like LMCache's L1 objects (4 KiB aligned), as
+    check_mode_test_l2_adapter.py:45-74 builds them."""
+    data = torch.frombuffer(aligned_buffer(nbytes), dtype=torch.uint8)
+    if seed is not None:
+        data.copy_(
+            torch.randint(
+                0,
+                256,
+                (nbytes,),
+                dtype=torch.uint8,
+                generator=torch.Generator().manual_seed(seed),
+            )
+        )
+    meta = MemoryObjMetadata(
+        shape=torch.Size([nbytes]),
+        dtype=torch.uint8,
+        address=data.data_ptr(),
+        phy_size=nbytes,
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+    )
+    return TensorMemoryObj(data, meta, parent_allocator=None)
+
+
+class Recorder:
+    """An L2 listener (as LMCache's L2 eviction controller registers)."""
+
+    def __init__(self) -> None:
+        self.stored: list[ObjectKey] = []
+        self.deleted: list[ObjectKey] = []
+        self.accessed: list[ObjectKey] = []
+
+    def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        self.stored += keys
+
+    def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+        self.deleted += keys
+
+    def on_l2_keys_accessed(self, keys: list[ObjectKey]) -> None:
+        self.accessed += keys
+
+
+@pytest.fixture
+def adapter_factory(
+    device_dirs: list[Path],
+) -> Iterator[Callable[..., TieredL2Adapter]]:
+    opened: list[TieredL2Adapter] = []
+
+    def open_adapter(**settings: Any) -> TieredL2Adapter:
+        settings.setdefault("slot_mb", CHUNK / 2**20)
+        adapter = TieredL2Adapter(params(device_dirs, **settings))
+        opened.append(adapter)
+        return adapter
+
+    yield open_adapter
+    for adapter in opened:
+        adapter.close()
+
+
+# ------------------------------------------------------------------ keys
+
+
+def test_object_key_text_is_lmcache_raw_block_encoding() -> None:
+    """The tiers name an ObjectKey as LMCache's raw-block adapter does, and
+    read it back; CacheEngineKeys keep their own form."""
+    keys = [
+        okey(7),
+        ObjectKey(b"\x00\xff" * 8, "meta-llama/Llama 3", 5, 3, "user-1"),
+    ]
+    for key in keys:
+        assert key_text(key) == object_key_to_string(key)
+        assert key_from_string(key_text(key)) == key
+    legacy = CacheEngineKey("model", 4, 1, 0xABC, torch.bfloat16, None)
+    assert key_from_string(key_text(legacy)) == legacy
+    assert key_digest(legacy) != key_digest(okey(0xABC, "model"))
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_adapter_params_are_the_yaml_settings_without_prefix(
+    device_dirs: list[Path],
+) -> None:
+    """The server's --l2-adapter JSON builds our config class (found by name)
+    and the adapter, with the same settings as the YAML keys."""
+    settings = {"warm.capacity_gb": 10, "io_engine": "threads", "stripe_kb": 256}
+    parsed = parse_args_to_l2_adapters_config(
+        argparse.Namespace(l2_adapter=[plugin_json(params(device_dirs, **settings))])
+    )
+    adapter = create_l2_adapter(parsed.adapters[0])
+    try:
+        assert isinstance(adapter, TieredL2Adapter)
+        yaml = {f"tiered.{k}": v for k, v in params(device_dirs, **settings).items()}
+        assert adapter.settings == TieredConfig.from_extra_config(yaml)
+        assert adapter.get_usage().total_capacity_bytes == 10 * GIB
+    finally:
+        adapter.close()
+    # names copied from the YAML, prefix and all, mean the same
+    copied = TieredL2AdapterConfig.from_dict(yaml)
+    assert copied.settings == adapter.settings
+
+
+def test_bad_setting_stops_the_adapter_with_a_clear_error(
+    device_dirs: list[Path],
+) -> None:
+    parsed = parse_args_to_l2_adapters_config(
+        argparse.Namespace(l2_adapter=[plugin_json(params(device_dirs, queue_depht=8))])
+    )
+    with pytest.raises(
+        ConfigError, match="setting queue_depht. Did you mean queue_depth"
+    ):
+        create_l2_adapter(parsed.adapters[0])
+
+
+# ------------------------------------------------- LMCache's storage manager
+
+
+def storage_manager(dirs: list[Path], **settings: Any) -> StorageManager:
+    """LMCache's MP storage manager with our adapter, built like the server's."""
+    l2 = parse_args_to_l2_adapters_config(
+        argparse.Namespace(l2_adapter=[plugin_json(params(dirs, **settings))])
+    )
+    memory = L1MemoryManagerConfig(size_in_bytes=64 << 20, use_lazy=False)
+    return StorageManager(
+        StorageManagerConfig(
+            l1_manager_config=L1ManagerConfig(memory_config=memory),
+            eviction_config=EvictionConfig("LRU"),
+            l2_adapter_config=l2,
+        )
+    )
+
+
+def adapter_of(manager: StorageManager) -> TieredL2Adapter:
+    ((_, adapter),) = manager.l2_adapters()
+    assert isinstance(adapter, TieredL2Adapter)
+    return adapter
+
+
+def prefetch(manager: StorageManager, keys: list[ObjectKey]) -> dict[ObjectKey, bytes]:
+    """What the server does for a lookup, then a retrieve
+    (multiprocess/modules/lookup.py:302, server_transfer.py:295-316)."""
+    handle = manager.submit_prefetch_task(
+        PrefetchTaskSpec([GroupedObjectKeys(keys, 0, LAYOUT)])
+    )
+    assert manager.wait_prefetch_status(handle, TIMEOUT_MS / 1000)
+    result = manager.query_prefetch_status(handle)
+    assert result is not None and result.l2_hit_count == len(keys)
+    with manager.read_prefetched_results(keys, result.l1_owners) as objs:
+        assert objs is not None
+        data = {k: bytes(o.byte_array) for k, o in zip(keys, objs, strict=True)}
+    manager.finish_read_prefetched(keys, l1_owners=result.l1_owners)
+    return data
+
+
+@pytest.mark.parametrize("io_engine", ENGINES)
+def test_storage_manager_round_trip_and_restart(
+    device_dirs: list[Path], io_engine: str
+) -> None:
+    """L1 write -> store controller -> adapter; L1 dropped; prefetch loads
+    the bytes back from NVMe; a new server over the same paths serves them."""
+    keys = [okey(i) for i in range(6)]
+    manager = storage_manager(device_dirs, io_engine=io_engine)
+    try:
+        adapter = adapter_of(manager)
+        assert adapter.tiers == []  # slot size unknown until the first store
+        objs = manager.reserve_write(keys, LAYOUT)
+        gen = torch.Generator().manual_seed(1)
+        for obj in objs.values():
+            obj.raw_data[: obj.get_size()].copy_(
+                torch.randint(
+                    0, 256, (obj.get_size(),), dtype=torch.uint8, generator=gen
+                )
+            )
+        want = {k: bytes(o.byte_array) for k, o in objs.items()}
+        manager.finish_write(keys)
+        # the store controller releases its L1 read locks once we report
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        deleted = 0
+        while deleted < len(keys):
+            assert time.monotonic() < deadline, "store never reached the adapter"
+            time.sleep(0.02)
+            if adapter.tiers and len(adapter.tiers[0]) == len(keys):
+                deleted += manager.delete_l1_keys(keys)[0]
+        assert adapter.tiers[0].engine.name == io_engine
+        assert prefetch(manager, keys) == want
+    finally:
+        manager.close()
+    manager = storage_manager(device_dirs, io_engine=io_engine)  # no slot_mb
+    try:
+        assert len(adapter_of(manager).tiers[0]) == len(keys)
+        assert prefetch(manager, keys) == want
+    finally:
+        manager.close()
+
+
+# ------------------------------------------------------ direct interface
+
+
+def test_lookup_lock_load_and_unlock(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    adapter = adapter_factory()
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    caller = Caller(adapter)
+    keys = [okey(i) for i in range(4)]
+    src = [memory_obj(seed=i) for i in range(4)]
+    assert caller.lookup(keys) == []
+    adapter.submit_unlock(keys)  # LMCache's check unlocks misses too
+    assert caller.store(keys, src)
+    assert caller.lookup(keys + [okey(99)]) == [0, 1, 2, 3]
+    dst = [memory_obj() for _ in keys]
+    assert caller.load(keys, dst) == [0, 1, 2, 3]
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(src, dst, strict=True))
+    assert recorder.stored == keys and recorder.accessed == keys
+    slot = adapter.tiers[0].geometry.slot_disk_bytes
+    assert adapter.get_usage().bytes_by_cache_salt == {"": 4 * slot}
+    adapter.submit_unlock(keys)
+    assert caller.lookup([]) == []  # unlocks ran before this lookup
+    warm = adapter.tiers[0]
+    assert not any(warm.unpin(k) for k in keys)  # every lock was released
+    # a buffer of another size is a miss; the record stays
+    assert caller.load([keys[0]], [memory_obj(CHUNK // 2)]) == []
+    assert caller.lookup([keys[0]]) == [0]
+
+
+def test_locked_chunks_survive_eviction_until_unlocked(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    """The tier's LRU evicts on its own when full, never a locked chunk;
+    LMCache's listeners hear of every eviction."""
+    probe = adapter_factory()
+    slot = probe.tiers[0].geometry.slot_disk_bytes
+    probe.close()
+    adapter = adapter_factory(**{"warm.capacity_gb": 4 * slot / GIB})
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    caller = Caller(adapter)
+    first = [okey(i) for i in range(4)]
+    assert caller.store(first, [memory_obj(seed=i) for i in range(4)])
+    assert caller.lookup(first[:2]) == [0, 1]  # locks 0 and 1
+    assert caller.store([okey(10), okey(11)], [memory_obj(), memory_obj()])
+    assert caller.lookup(first) == [0, 1]  # 2 and 3 were evicted; 0, 1 locked twice
+    adapter.submit_unlock(first[:2])
+    adapter.submit_unlock(first[:2])
+    later = [okey(i) for i in range(12, 16)]
+    assert caller.store(later, [memory_obj() for _ in later])
+    assert caller.lookup(first) == []
+    assert set(first) | {okey(10), okey(11)} == set(recorder.deleted)
+    assert adapter.get_usage().total_bytes_used == 4 * slot
+
+
+def test_store_of_a_full_tier_of_locked_chunks_fails(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    probe = adapter_factory()
+    slot = probe.tiers[0].geometry.slot_disk_bytes
+    probe.close()
+    adapter = adapter_factory(**{"warm.capacity_gb": 2 * slot / GIB})
+    caller = Caller(adapter)
+    assert caller.store([okey(0), okey(1)], [memory_obj(), memory_obj()])
+    assert caller.lookup([okey(0), okey(1)]) == [0, 1]
+    assert not caller.store([okey(2)], [memory_obj()])
+    assert caller.store([okey(0)], [memory_obj()])  # already stored: success
+
+
+def test_corrupted_record_is_a_miss(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    adapter = adapter_factory()
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    caller = Caller(adapter)
+    keys = [okey(i) for i in range(3)]
+    src = [memory_obj(seed=i) for i in range(3)]
+    assert caller.store(keys, src)
+    warm = adapter.tiers[0]
+    slot = warm._entries[key_digest(keys[1])].slot
+    extent = warm.geometry.extents(slot, CHUNK)[0]
+    fd = os.open(os.path.join(warm.paths[extent.device], f"{OWNER}.slab"), os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, extent.offset + 100)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), extent.offset + 100)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dst = [memory_obj() for _ in keys]
+    assert caller.load(keys, dst) == [0, 2]
+    assert torch.equal(dst[2].tensor, src[2].tensor)
+    assert caller.lookup(keys) == [0, 2]  # dropped from the index
+    assert recorder.deleted == [keys[1]]
+    assert warm.stats.corrupt == 1
+
+
+def test_two_controller_threads_at_once(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    """A store thread and a lookup/load thread, as LMCache runs its store and
+    prefetch controllers, share the adapter."""
+    adapter = adapter_factory()
+    caller = Caller(adapter)
+    ready = [okey(1000 + i) for i in range(8)]
+    ready_src = [memory_obj(seed=1000 + i) for i in range(8)]
+    assert caller.store(ready, ready_src)
+    errors: list[BaseException] = []
+
+    def storer() -> None:
+        try:
+            for r in range(6):
+                keys = [okey(r * 4 + i) for i in range(4)]
+                assert caller.store(keys, [memory_obj(seed=r) for _ in keys])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def prefetcher() -> None:
+        try:
+            for _ in range(6):
+                assert caller.lookup(ready) == list(range(8))
+                dst = [memory_obj() for _ in ready]
+                assert caller.load(ready, dst) == list(range(8))
+                adapter.submit_unlock(ready)
+                for a, b in zip(ready_src, dst, strict=True):
+                    assert torch.equal(a.tensor, b.tensor)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=storer), threading.Thread(target=prefetcher)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert caller.lookup([okey(i) for i in range(24)]) == list(range(24))
+
+
+def test_event_fds_and_close(adapter_factory: Callable[..., TieredL2Adapter]) -> None:
+    adapter = adapter_factory()
+    fds = {
+        adapter.get_store_event_fd(),
+        adapter.get_lookup_and_lock_event_fd(),
+        adapter.get_load_event_fd(),
+    }
+    assert len(fds) == 3
+    task = adapter.submit_store_task([okey(1)], [memory_obj(seed=1)])
+    adapter.close()  # finishes what was accepted
+    assert adapter.pop_completed_store_tasks()[task].is_successful()
+    assert not adapter.report_status()["is_healthy"]
+    with pytest.raises(RuntimeError, match="closed"):
+        adapter.submit_lookup_and_lock_task([okey(1)], {})
+    adapter.submit_unlock([okey(1)])  # ignored, never raises
+    adapter.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_l1_arena_is_registered_with_io_uring(device_dirs: list[Path]) -> None:
+    """When LMCache declares its L1 arena stable, reads land in it through
+    io_uring registered buffers."""
+    arena = torch.frombuffer(aligned_buffer(1 << 20), dtype=torch.uint8)
+    desc = L1MemoryDesc(arena.data_ptr(), arena.numel(), 4096, arena.numel())
+    adapter = TieredL2Adapter(
+        params(device_dirs, io_engine="uring", slot_mb=CHUNK / 2**20), desc
+    )
+    try:
+        caller = Caller(adapter)
+        src = memory_obj(seed=3)
+        assert caller.store([okey(1)], [src])
+        view = arena[:CHUNK]
+        meta = MemoryObjMetadata(torch.Size([CHUNK]), torch.uint8, 0, CHUNK, 1)
+        dst = TensorMemoryObj(view, meta, parent_allocator=None)
+        assert caller.load([okey(1)], [dst]) == [0]
+        assert torch.equal(view, src.tensor)
+        engine = adapter.tiers[0].engine
+        assert isinstance(engine, UringEngine)
+        if engine.stats()["fixed"] == 0:
+            pytest.skip("kernel without READV_FIXED: plain readv was used")
+    finally:
+        adapter.close()
+
+
+def test_mp_read_gbps_smoke(tmp_path: Path) -> None:
+    dirs = [tmp_path / "d0", tmp_path / "d1"]
+    for d in dirs:
+        d.mkdir()
+    gbps = mp_read_gbps([str(d) for d in dirs], 1 << 20, 16 << 20, drop_caches=False)
+    assert gbps > 0
