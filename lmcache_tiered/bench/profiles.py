@@ -1,0 +1,263 @@
+"""Model profiles: KV bytes per token and modelled GPU time for the bench.
+
+The bench runs real LMCache and real I/O but no GPU, so a profile supplies
+what the GPU would: how many KV bytes a token costs one LMCache worker (one
+tensor-parallel rank, which has its own LMCache engine and storage), and how
+long prefill and decode take.
+
+KV bytes per token and rank (``kv_bytes_per_token``)::
+
+    2 (K and V) * num_layers * (num_kv_heads / tp) * head_dim * kv_dtype_bytes
+
+Prefill time of ``n`` new tokens after ``c`` cached ones (:meth:`prefill_s`)::
+
+    linear    = 2 * active_params * n                       (matmul FLOPs)
+    attention = 4 * num_layers * num_q_heads * head_dim * (n * c + n * n / 2)
+    time      = linear / (tp * peak_linear_flops * mfu)
+              + attention / (tp * peak_attention_flops * mfu)
+
+(QK^T and AV cost 2 * head_dim FLOPs each per head and query-key pair; a
+causal prefill has ``n * c + n^2 / 2`` pairs.)
+
+Decode step of a batch of ``b`` sequences holding ``ctx`` tokens of context
+in all (:meth:`decode_step_s`): memory-bound, so it is the bytes read from
+HBM over the bandwidth, plus a fixed per-step cost (kernel launches and the
+tensor-parallel all-reduces)::
+
+    experts   = num_experts * (1 - (1 - experts_per_token / num_experts) ** b)
+    weights   = (dense_params + experts * expert_params) * weight_bytes
+    kv        = ctx * kv_bytes_per_token * tp
+    time      = (weights + kv) / (tp * hbm_bytes_per_s * mbu) + step_overhead_s
+
+(``experts`` is the expected number of distinct experts a batch touches per
+layer under uniform routing; a dense model has ``num_experts = 0`` and reads
+``dense_params`` only.)
+
+Copies between LMCache's CPU buffers and the GPU (a load's upload, a save's
+download) take ``bytes / pcie_bytes_per_s``: the bench charges that instead
+of the time its stand-in "GPU", a CPU tensor, takes to copy.
+
+The efficiencies ``mfu``/``mbu``, the step overhead and the PCIe rate are
+assumptions, not measurements: they set the modelled GPU's speed, the same
+for every policy, so comparisons between policies hold whatever their exact
+values.
+
+KV scale-down (:func:`bench_shape`): a run stores ``kv_bytes_per_token / F``
+bytes per token, so the working set fits a small machine, and runs the
+modelled clock ``F`` times faster (compute, arrivals and think times all
+divided by ``F``). Reads then keep the production ratio of I/O time to
+compute time on a disk as fast as the production rank's: one second of this
+run stands for ``F`` seconds of production, and reports quote times in
+production seconds.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+#: NVIDIA H200 SXM datasheet: dense (no sparsity) tensor-core peaks and HBM3e.
+H200_FP8_FLOPS = 1979e12
+H200_BF16_FLOPS = 989e12
+H200_HBM_BYTES_PER_S = 4.8e12
+#: Host link of one GPU, PCIe Gen5 x16: 64 GB/s per direction on paper,
+#: about 50 GB/s in pinned-memory copies (assumed).
+PCIE5_X16_BYTES_PER_S = 50e9
+
+#: The bench engine's KV element: bf16, 2 bytes (one of K, V per element).
+BENCH_ELEMENT_BYTES = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """One model on one GPU setup; see the module docstring for the formulas."""
+
+    name: str
+    #: where the numbers come from (copied into the bench's JSON)
+    source: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int
+    tp: int
+    active_params: float
+    #: always-read weights (attention, norms, router, lm_head)
+    dense_params: float
+    #: parameters of one expert over all layers (0 for a dense model)
+    expert_params: float
+    num_experts: int
+    experts_per_token: int
+    weight_bytes: float
+    peak_linear_flops: float
+    peak_attention_flops: float
+    hbm_bytes_per_s: float
+    #: CPU <-> GPU copy bandwidth of one rank (LMCache's loads and saves)
+    pcie_bytes_per_s: float
+    mfu: float
+    mbu: float
+    step_overhead_s: float
+    #: default scale-down factor F: about 4 KiB of KV per token on the bench
+    kv_scale: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token held by one tensor-parallel rank."""
+        return (
+            2
+            * self.num_layers
+            * (self.num_kv_heads // self.tp)
+            * self.head_dim
+            * self.kv_dtype_bytes
+        )
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Production seconds to prefill ``new_tokens`` after ``cached_tokens``."""
+        if new_tokens <= 0:
+            return 0.0
+        linear = 2.0 * self.active_params * new_tokens
+        pairs = new_tokens * cached_tokens + new_tokens * new_tokens / 2.0
+        attention = 4.0 * self.num_layers * self.num_q_heads * self.head_dim * pairs
+        return linear / (self.tp * self.peak_linear_flops * self.mfu) + attention / (
+            self.tp * self.peak_attention_flops * self.mfu
+        )
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """Production seconds of one decode step (one token for each of ``batch``)."""
+        if batch <= 0:
+            return 0.0
+        experts = 0.0
+        if self.num_experts:
+            share = self.experts_per_token / self.num_experts
+            experts = self.num_experts * (1.0 - (1.0 - share) ** batch)
+        weights = (self.dense_params + experts * self.expert_params) * self.weight_bytes
+        kv = context_tokens * self.kv_bytes_per_token * self.tp
+        bandwidth = self.tp * self.hbm_bytes_per_s * self.mbu
+        return (weights + kv) / bandwidth + self.step_overhead_s
+
+
+_QWEN3_CODER_LAYERS = 62
+_QWEN3_CODER_HIDDEN = 6144
+_QWEN3_CODER_EXPERT = 3 * _QWEN3_CODER_HIDDEN * 2560 * _QWEN3_CODER_LAYERS
+# attention per layer: q and o (6144 x 96*128 each), k and v (6144 x 8*128 each)
+_QWEN3_CODER_ATTENTION = (
+    2 * _QWEN3_CODER_HIDDEN * 96 * 128 + 2 * _QWEN3_CODER_HIDDEN * 8 * 128
+) * _QWEN3_CODER_LAYERS
+_QWEN3_CODER_LM_HEAD = 151936 * _QWEN3_CODER_HIDDEN
+
+_LLAMA_8B_LAYERS = 32
+
+PROFILES: dict[str, ModelProfile] = {
+    profile.name: profile
+    for profile in (
+        ModelProfile(
+            name="qwen3-coder-480b-fp8-tp8",
+            source=(
+                "Qwen/Qwen3-Coder-480B-A35B-Instruct-FP8 config.json: 62 layers, "
+                "96 query / 8 KV heads of dim 128, 160 experts (8 per token) of "
+                "intermediate size 2560, hidden 6144, vocab 151936; FP8 weights, "
+                "bf16 KV cache (vLLM's kv_cache_dtype=auto). 8 x H200 SXM, TP8: "
+                "1 KV head per rank = 31,744 KV bytes per token and rank. "
+                "Assumed: prefill MFU 0.3, decode MBU 0.6, 3 ms per step."
+            ),
+            num_layers=_QWEN3_CODER_LAYERS,
+            num_q_heads=96,
+            num_kv_heads=8,
+            head_dim=128,
+            kv_dtype_bytes=2,
+            tp=8,
+            active_params=8 * _QWEN3_CODER_EXPERT
+            + _QWEN3_CODER_ATTENTION
+            + _QWEN3_CODER_LM_HEAD,
+            dense_params=_QWEN3_CODER_ATTENTION + _QWEN3_CODER_LM_HEAD,
+            expert_params=_QWEN3_CODER_EXPERT,
+            num_experts=160,
+            experts_per_token=8,
+            weight_bytes=1.0,
+            peak_linear_flops=H200_FP8_FLOPS,
+            peak_attention_flops=H200_BF16_FLOPS,
+            hbm_bytes_per_s=H200_HBM_BYTES_PER_S,
+            pcie_bytes_per_s=PCIE5_X16_BYTES_PER_S,
+            mfu=0.3,
+            mbu=0.6,
+            step_overhead_s=0.003,
+            kv_scale=8,
+        ),
+        ModelProfile(
+            name="llama-3.1-8b-tp1",
+            source=(
+                "meta-llama/Llama-3.1-8B-Instruct config.json: 32 layers, 32 query "
+                "/ 8 KV heads of dim 128, 8.03e9 parameters, bf16 weights and KV "
+                "(131,072 KV bytes per token). One H200 SXM. "
+                "Assumed: prefill MFU 0.4, decode MBU 0.6, 1 ms per step."
+            ),
+            num_layers=_LLAMA_8B_LAYERS,
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            kv_dtype_bytes=2,
+            tp=1,
+            active_params=8.03e9,
+            dense_params=8.03e9,
+            expert_params=0.0,
+            num_experts=0,
+            experts_per_token=0,
+            weight_bytes=2.0,
+            peak_linear_flops=H200_BF16_FLOPS,
+            peak_attention_flops=H200_BF16_FLOPS,
+            hbm_bytes_per_s=H200_HBM_BYTES_PER_S,
+            pcie_bytes_per_s=PCIE5_X16_BYTES_PER_S,
+            mfu=0.4,
+            mbu=0.6,
+            step_overhead_s=0.001,
+            kv_scale=32,
+        ),
+    )
+}
+DEFAULT_PROFILE = "qwen3-coder-480b-fp8-tp8"
+
+
+def get_profile(name: str) -> ModelProfile:
+    """The profile called ``name``; a ValueError naming the known ones if none."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, PROFILES, n=1)
+        hint = f" Did you mean {close[0]}?" if close else ""
+        raise ValueError(
+            f"unknown profile {name!r}.{hint} Known: {', '.join(PROFILES)}"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class BenchShape:
+    """The bench engine's KV layout for a profile scaled down by ``kv_scale``.
+
+    All layers and heads are folded into one layer of one head of
+    ``head_size`` elements: LMCache and the tiers only see bytes per chunk,
+    and one contiguous row per token keeps the CPU "GPU" copies cheap.
+    """
+
+    head_size: int
+    #: the factor actually applied (``kv_bytes_per_token / bytes_per_token``)
+    kv_scale: float
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.head_size * BENCH_ELEMENT_BYTES
+
+    def chunk_bytes(self, chunk_tokens: int) -> int:
+        return chunk_tokens * self.bytes_per_token
+
+
+def bench_shape(profile: ModelProfile, kv_scale: float | None = None) -> BenchShape:
+    """The scaled-down layout; the factor is rounded so a row is whole elements."""
+    scale = profile.kv_scale if kv_scale is None else kv_scale
+    if scale < 1:
+        raise ValueError(f"kv scale must be >= 1, got {scale}")
+    per_token = profile.kv_bytes_per_token
+    head_size = max(1, round(per_token / scale / (2 * BENCH_ELEMENT_BYTES)))
+    return BenchShape(
+        head_size=head_size,
+        kv_scale=per_token / (2 * head_size * BENCH_ELEMENT_BYTES),
+    )

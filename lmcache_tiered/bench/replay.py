@@ -1,0 +1,1112 @@
+"""``lmcache-tiered bench``: replay a workload through real LMCache and real I/O.
+
+Only the GPU is modelled. The serving model is one vLLM instance with
+LMCache's synchronous loading, its default:
+
+- a frontend thread releases each request at its arrival time, sends the
+  arrival hint the way the deployed wiring does (prompt token ids POSTed to
+  the backend's loopback endpoint by a forwarder thread), then queues it;
+- the engine loop has ``--concurrency`` slots (vLLM's ``max_num_seqs``). With
+  slots free it takes requests from the queue, runs LMCache's lookup for each
+  (pinning the hits, as the scheduler does), then retrieves the hits (as the
+  worker does at the start of the step, blocking it);
+- each step computes up to ``--token-budget`` prompt tokens (chunked prefill)
+  and one token for every decoding request, for the profile's modelled time,
+  slept, so background I/O (writes, demotion, warm-up) overlaps it as on a
+  GPU server; a request's new KV is stored when its prefill completes;
+- follow-up turns of a session arrive a think time after the previous turn
+  finished.
+
+The loop keeps a GPU clock that modelled compute and the measured time of
+real LMCache calls advance; it sleeps until the wall clock catches up, so a
+late wake-up (another thread holding the GIL) delays no later step.
+
+Every variant (each ``--policies`` entry, then LMCache's stock
+``LocalDiskBackend`` as the no-plugin baseline) gets a fresh engine and fresh
+directories under ``--warm``/``--cold``. All run in this one process, so
+LMCache's token hashing (PYTHONHASHSEED) is the same for all of them. KV
+bytes and the clock are scaled down together (``--kv-scale``, see
+:mod:`lmcache_tiered.bench.profiles`); reported times are production seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import heapq
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lmcache.v1.cache_engine import LMCacheEngine
+from lmcache.v1.config import LMCacheEngineConfig
+
+from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.bench import harness, report, trace
+from lmcache_tiered.bench.profiles import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    BenchShape,
+    ModelProfile,
+    bench_shape,
+    get_profile,
+)
+from lmcache_tiered.bench.report import RequestRecord, RunResult
+from lmcache_tiered.tier import Tier
+from lmcache_tiered.vllm_plugin import HintForwarder
+from lmcache_tiered.warmup import installed_policies
+
+#: Name of the no-plugin baseline: LMCache's own LocalDiskBackend.
+LOCAL_DISK = "lmcache_local_disk"
+#: LMCache's chunk size (tokens per key) in every variant.
+CHUNK_TOKENS = 256
+#: Where LMCache's lookup reports each backend's hits (StorageManager names).
+_TIER_OF_LOCATION = {"LocalCPUBackend": "hot", "LocalDiskBackend": "warm"}
+GIB = 1 << 30
+#: Production seconds the replay may fall behind its GPU clock unremarked.
+LAG_NOTE_S = 1.0
+
+
+class VariantUnavailable(RuntimeError):
+    """A variant's backend did not load (e.g. a policy that is not installed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """A remote cold tier emulated on a local disk: bandwidth and latency in
+    production units, added after each real read of the cold tier."""
+
+    gbps: float
+    latency_s: float
+
+    @staticmethod
+    def parse(text: str) -> LinkModel:
+        """``GBPS`` or ``GBPS,LATENCY_MS`` (e.g. ``2.5,0.5``)."""
+        gbps_text, _, latency_text = text.partition(",")
+        try:
+            gbps, latency_ms = float(gbps_text), float(latency_text or 0)
+        except ValueError:
+            gbps = latency_ms = math.nan
+        if not (0 < gbps < math.inf and 0 <= latency_ms < math.inf):
+            raise ValueError(
+                f"cold link {text!r}: expected GBPS[,LATENCY_MS], GBPS > 0"
+            )
+        return LinkModel(gbps, latency_ms / 1000.0)
+
+    def delay_s(self, nbytes: int, clock: float) -> float:
+        """Wall seconds to add to a read of ``nbytes`` (bench) bytes.
+
+        Production moves ``nbytes * clock`` bytes in ``latency + bytes / bw``;
+        the bench clock runs ``clock`` times faster.
+        """
+        return self.latency_s / clock + nbytes / (self.gbps * 1e9)
+
+    def __str__(self) -> str:
+        return f"{self.gbps:g} GB/s + {self.latency_s * 1000:g} ms per read"
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """Everything that is the same for all variants of one run."""
+
+    profile: ModelProfile
+    shape: BenchShape
+    concurrency: int
+    #: prompt tokens per step (vLLM's max_num_batched_tokens)
+    token_budget: int
+    #: LMCache's CPU tier; 0: none (LMCache then only stages reads and writes)
+    hot_gb: float
+    #: CPU memory that stages reads and writes when there is no hot tier
+    staging_gb: float
+    warm_gb: float
+    cold_gb: float
+    warm_paths: tuple[str, ...]
+    cold_paths: tuple[str, ...]
+    io_engine: str
+    cold_link: LinkModel | None
+
+    @property
+    def clock(self) -> float:
+        """Production seconds per wall second (= the KV scale-down factor)."""
+        return self.shape.kv_scale
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.shape.chunk_bytes(CHUNK_TOKENS)
+
+
+@dataclass(slots=True)
+class Workload:
+    """The requests, their token ids and the shared "GPU" KV buffer."""
+
+    requests: list[trace.Request]
+    tokens: list[torch.Tensor]
+    #: [1, 2, max_tokens, 1, head_size]: source of stores, target of retrieves
+    kv: torch.Tensor
+
+    @staticmethod
+    def build(requests: list[trace.Request], shape: BenchShape, seed: int) -> Workload:
+        """Made once, before any variant runs, so none of them pays for it.
+        The KV content is random bits: only its bytes matter."""
+        blocks = trace.TokenBlocks(seed)
+        longest = max(r.input_length for r in requests)
+        generator = torch.Generator().manual_seed(seed)
+        kv = torch.randint(
+            -(1 << 15),
+            1 << 15,
+            (1, 2, longest, 1, shape.head_size),
+            generator=generator,
+            dtype=torch.int16,
+        ).view(torch.bfloat16)
+        return Workload(requests, [blocks.tokens(r) for r in requests], kv)
+
+
+# ------------------------------------------------------------ backend hooks
+
+
+def hint_forwarder(backend: TieredBackend | None) -> HintForwarder | None:
+    """The production hint path into ``backend``, or None where it has none.
+
+    As deployed (:mod:`lmcache_tiered.vllm_plugin`): a forwarder thread POSTs
+    each arrival's prompt to the backend's loopback endpoint.
+    """
+    if backend is None or backend.hint_server is None:
+        return None
+    return HintForwarder(backend.hint_server.url)
+
+
+def send_arrival_hint(hints: HintForwarder | None, tokens: torch.Tensor) -> None:
+    """Tell the backend a request arrived, as vLLM's API server would."""
+    if hints is not None:
+        hints.submit(tokens.tolist())
+
+
+def warmup_quality(metrics: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(precision, timeliness) of the warm-up, None where there was none.
+
+    Precision = promoted-to-hot bytes used / promoted; timeliness = timely /
+    (timely + late) demand reads of promoted chunks (see
+    :class:`lmcache_tiered.metrics.WarmupStats`).
+    """
+    warmup = metrics.get("warmup") or {}
+    demanded = warmup.get("timely", 0) + warmup.get("late", 0)
+    timeliness = warmup["timely"] / demanded if demanded else None
+    return warmup.get("precision"), timeliness
+
+
+class GpuCopies:
+    """Times the CPU connector's copies (the stand-in for GPU uploads and
+    downloads) and what the profile's PCIe link would take for them, so the
+    GPU clock charges the link, not this machine's memcpy."""
+
+    def __init__(self, engine: LMCacheEngine, setup: Setup) -> None:
+        self.bytes_per_token = setup.shape.bytes_per_token
+        self.pcie_bytes_per_s = setup.profile.pcie_bytes_per_s
+        self.measured_s = 0.0
+        self.modelled_s = 0.0
+        connector = engine.gpu_connector
+        for name in ("batched_to_gpu", "batched_from_gpu"):
+            setattr(connector, name, self._timed(getattr(connector, name)))
+
+    def _timed(self, copy: Callable[..., None]) -> Callable[..., None]:
+        def timed_copy(
+            memory_objs: Any, starts: list[int], ends: list[int], **kwargs: Any
+        ) -> None:
+            began = time.perf_counter()
+            copy(memory_objs, starts, ends, **kwargs)
+            self.measured_s += time.perf_counter() - began
+            nbytes = (sum(ends) - sum(starts)) * self.bytes_per_token
+            self.modelled_s += nbytes / self.pcie_bytes_per_s
+
+        return timed_copy
+
+
+def emulate_link(tier: Tier, link: LinkModel, clock: float) -> None:
+    """Delay every read of ``tier`` by the link model, after the real I/O.
+
+    Wraps the instance's two read paths (demand reads into MemoryObjs, and
+    payload reads for copies between tiers) until Tier has a hook for it.
+    """
+
+    def delayed(read: Callable[..., list[Any]], size: Callable[[Any], int]) -> Any:
+        def read_over_link(*args: Any, **kwargs: Any) -> list[Any]:
+            results = read(*args, **kwargs)
+            nbytes = sum(size(r) for r in results if r is not None)
+            if nbytes:
+                time.sleep(link.delay_s(nbytes, clock))
+            return results
+
+        return read_over_link
+
+    # instance attributes shadow the methods (B010: setattr is what mypy allows)
+    setattr(tier, "read", delayed(tier.read, lambda obj: obj.get_size()))  # noqa: B010
+    setattr(  # noqa: B010
+        tier, "read_payloads", delayed(tier.read_payloads, lambda p: len(p.view))
+    )
+
+
+# ----------------------------------------------------------------- variants
+
+
+@dataclass(slots=True)
+class _Dirs:
+    """A variant's fresh directories, removed when it is done."""
+
+    warm: list[str]
+    cold: list[str]
+
+    @staticmethod
+    def create(setup: Setup, name: str) -> _Dirs:
+        def fresh(bases: Sequence[str], kind: str) -> list[str]:
+            return [
+                tempfile.mkdtemp(prefix=f"lmcache-bench-{name}-{kind}{i}-", dir=base)
+                for i, base in enumerate(bases)
+            ]
+
+        return _Dirs(fresh(setup.warm_paths, "warm"), fresh(setup.cold_paths, "cold"))
+
+    def remove(self) -> None:
+        for path in self.warm + self.cold:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def engine_config(name: str, setup: Setup, dirs: _Dirs) -> LMCacheEngineConfig:
+    """LMCache config of a variant: the plugin with policy ``name``, or stock."""
+    memory: dict[str, Any] = {
+        "chunk_size": CHUNK_TOKENS,
+        "local_cpu": setup.hot_gb > 0,
+        "max_local_cpu_size_gb": setup.hot_gb or setup.staging_gb,
+    }
+    if name == LOCAL_DISK:
+        return harness.build_config(
+            **memory,
+            local_disk=",".join(dirs.warm),
+            # as much as warm and cold together: it never loses a chunk that
+            # the plugin keeps
+            max_local_disk_size_gb=setup.warm_gb + setup.cold_gb,
+            # O_DIRECT, as the plugin: the page cache must not serve reads
+            extra_config={"use_odirect": True},
+        )
+    extra: dict[str, Any] = {
+        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+        "storage_plugin.tiered.class_name": "TieredBackend",
+        "tiered.warm.paths": dirs.warm,
+        "tiered.warm.capacity_gb": setup.warm_gb,
+        "tiered.io_engine": setup.io_engine,
+        "tiered.warmup.policy": name,
+        # arrival hints reach the backend over loopback HTTP, as deployed
+        "tiered.warmup.hint_port": 0,
+    }
+    if dirs.cold:
+        extra["tiered.cold.paths"] = dirs.cold
+        extra["tiered.cold.capacity_gb"] = setup.cold_gb
+    return harness.build_config(
+        **memory, extra_config=extra, storage_plugins=["tiered"]
+    )
+
+
+class _ErrorCapture(logging.Filter):
+    """Holds back the plugin's ERROR records while an engine is built.
+
+    LMCache only logs a plugin that fails to load; the captured message
+    becomes the reason a variant is unavailable instead of log noise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            self.records.append(record)
+            return False
+        return True
+
+
+def build_variant(
+    name: str, setup: Setup, dirs: _Dirs
+) -> tuple[LMCacheEngine, TieredBackend | None]:
+    """A fresh engine for the variant; VariantUnavailable if the plugin failed."""
+    plugin_logger = logging.getLogger("lmcache_tiered")
+    capture = _ErrorCapture()
+    plugin_logger.addFilter(capture)
+    try:
+        engine, _ = harness.build_engine(
+            engine_config(name, setup, dirs),
+            num_layers=1,
+            num_kv_heads=1,
+            head_size=setup.shape.head_size,
+            log_level=logging.ERROR,
+            require_plugins=False,  # checked below, with the reason
+        )
+    finally:
+        plugin_logger.removeFilter(capture)
+    if name == LOCAL_DISK:
+        return engine, None
+    backend = harness.get_backends(engine).get("tiered")
+    if not isinstance(backend, TieredBackend):
+        harness.destroy_engine(engine)
+        reason = "; ".join(r.getMessage() for r in capture.records) or "see the log"
+        raise VariantUnavailable(f"the tiered backend did not load: {reason}")
+    for record in capture.records:
+        plugin_logger.handle(record)
+    cold = backend.cache.tiers.get("cold") if backend.cache is not None else None
+    if setup.cold_link is not None and cold is not None:
+        emulate_link(cold, setup.cold_link, setup.clock)
+    return engine, backend
+
+
+def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunResult:
+    """Replay the workload on a fresh engine and fresh directories."""
+    dirs = _Dirs.create(setup, name)
+    try:
+        engine, backend = build_variant(name, setup, dirs)
+        progress = report.Progress(label, len(workload.requests))
+        try:
+            started = time.monotonic()
+            replay = Replay(setup, workload, engine, backend, name, progress)
+            records = replay.run()
+            wall = time.monotonic() - started
+            result = _result(name, setup, records, backend, wall, replay.lag_max)
+        except BaseException:
+            progress.close("failed")
+            raise
+        finally:
+            harness.destroy_engine(engine)
+        progress.close(f"done in {wall:.0f}s")
+        return result
+    finally:
+        dirs.remove()
+        gc.collect()
+
+
+def _result(
+    name: str,
+    setup: Setup,
+    records: list[RequestRecord],
+    backend: TieredBackend | None,
+    wall: float,
+    lag: float,
+) -> RunResult:
+    metrics = {} if backend is None else backend.metrics_snapshot()
+    tiers = metrics.get("tiers", {})
+    precision, timeliness = warmup_quality(metrics)
+    return RunResult(
+        name=name,
+        records=records,
+        chunk_bytes=setup.chunk_bytes,
+        tier_bytes_read=None
+        if backend is None
+        else {tier: stats["bytes_read"] for tier, stats in tiers.items()},
+        backend_metrics=metrics,
+        warmup_precision=precision,
+        warmup_timeliness=timeliness,
+        wall_s=wall,
+        lag_max=lag,
+    )
+
+
+# ------------------------------------------------------------ serving model
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request in the server (times: GPU clock, wall seconds since start)."""
+
+    index: int
+    arrival: float
+    scheduled: float = 0.0
+    loaded: float = 0.0
+    #: tier of each chunk the lookup found, in prefix order
+    hits: list[str] = field(default_factory=list)
+    cached: int = 0
+    #: prompt tokens computed so far (cached ones included)
+    computed: int = 0
+    output_left: int = 0
+    first_token: float = 0.0
+
+
+class Replay:
+    """The serving model of one variant (see the module docstring).
+
+    The engine loop keeps a GPU clock (``self.gpu``, wall seconds since the
+    start): modelled compute and the measured time of real LMCache calls
+    (their GPU copies charged at the profile's PCIe rate, see
+    :class:`GpuCopies`) advance it, and the loop sleeps until the wall clock
+    reaches it. A late wake-up (another thread holding the GIL) thus delays
+    no later step: the loop catches up, as a GPU that never waited would.
+    """
+
+    def __init__(
+        self,
+        setup: Setup,
+        workload: Workload,
+        engine: LMCacheEngine,
+        backend: TieredBackend | None,
+        name: str,
+        progress: report.Progress,
+    ) -> None:
+        self.setup = setup
+        self.workload = workload
+        self.engine = engine
+        self.backend = backend
+        self.name = name
+        self.progress = progress
+        self.requests = workload.requests
+        self.records: list[RequestRecord | None] = [None] * len(self.requests)
+        self.followers: dict[int, list[int]] = {}
+        for index, request in enumerate(self.requests):
+            if request.after is not None:
+                self.followers.setdefault(request.after, []).append(index)
+        self.cond = threading.Condition()
+        #: (release time, index) of requests not yet arrived
+        self.pending: list[tuple[float, int]] = [
+            (r.arrival_s / setup.clock, i)
+            for i, r in enumerate(self.requests)
+            if r.after is None
+        ]
+        heapq.heapify(self.pending)
+        self.waiting: deque[_Live] = deque()
+        self.prefilling: list[_Live] = []
+        self.decoding: list[_Live] = []
+        self.finished = 0
+        self.failure: BaseException | None = None
+        self.hints = hint_forwarder(backend)
+        self.copies = GpuCopies(engine, setup)
+        self.start = 0.0
+        self.gpu = 0.0
+        self.lag_max = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.start
+
+    def done(self) -> bool:
+        return self.finished >= len(self.requests)
+
+    def run(self) -> list[RequestRecord]:
+        self.start = time.monotonic()
+        frontend = threading.Thread(
+            target=self._frontend, name="bench-frontend", daemon=True
+        )
+        frontend.start()
+        try:
+            while not self.done():
+                self._admit()
+                if self.prefilling:
+                    self._mixed_step()
+                elif self.decoding:
+                    self._decode_steps()
+                else:
+                    self._wait_for_arrival()
+        finally:
+            with self.cond:
+                self.finished = len(self.requests)
+                self.cond.notify_all()
+            frontend.join()
+            if self.hints is not None:
+                self.hints.close()
+        if self.failure is not None:
+            raise RuntimeError("the bench frontend failed") from self.failure
+        return [r for r in self.records if r is not None]
+
+    @contextlib.contextmanager
+    def _real_work(self) -> Iterator[None]:
+        """Real LMCache calls block the GPU for as long as they take, their
+        GPU copies for as long as the modelled link takes."""
+        began = self.now()
+        measured, modelled = self.copies.measured_s, self.copies.modelled_s
+        try:
+            yield
+        finally:
+            elapsed = self.now() - began
+            copies = self.copies.modelled_s - modelled
+            self.gpu += elapsed - (self.copies.measured_s - measured) + copies
+
+    # -------------------------------------------------------------- frontend
+
+    def _frontend(self) -> None:
+        """Release requests at their arrival times: hint, then queue."""
+        try:
+            while True:
+                with self.cond:
+                    while not self.pending and not self.done():
+                        self.cond.wait()
+                    if self.done():
+                        return
+                    release, index = self.pending[0]
+                    delay = release - self.now()
+                    if delay > 0:
+                        self.cond.wait(delay)
+                        continue
+                    heapq.heappop(self.pending)
+                send_arrival_hint(self.hints, self.workload.tokens[index])
+                with self.cond:
+                    self.waiting.append(_Live(index, arrival=release))
+                    self.cond.notify_all()
+        except BaseException as exc:  # surfaced by run()
+            self.failure = exc
+            with self.cond:
+                self.finished = len(self.requests)
+                self.cond.notify_all()
+
+    def _wait_for_arrival(self) -> None:
+        """Idle until a request arrives; the GPU clock jumps to then."""
+        with self.cond:
+            while not self.waiting and not self.done():
+                self.cond.wait()
+        self.gpu = max(self.gpu, self.now())
+
+    # ------------------------------------------------------------ scheduling
+
+    def _admit(self) -> None:
+        """Schedule waiting requests into free slots: lookups, then retrieves."""
+        free = self.setup.concurrency - len(self.prefilling) - len(self.decoding)
+        with self.cond:
+            count = min(free, len(self.waiting))
+            admitted = [self.waiting.popleft() for _ in range(count)]
+        if not admitted:
+            return
+        # the step cannot start before its requests arrived (the GPU clock
+        # may lag the wall clock a little)
+        self.gpu = max(self.gpu, *(live.arrival for live in admitted))
+        with self._real_work():
+            for live in admitted:
+                live.scheduled = self.gpu
+                live.hits = self._lookup(live)
+            for live in admitted:
+                self._retrieve(live)
+        for live in admitted:
+            live.loaded = self.gpu
+        self.prefilling.extend(admitted)
+
+    def _lookup_id(self, live: _Live) -> str:
+        return f"{self.name}-{live.index}"
+
+    def _lookup(self, live: _Live) -> list[str]:
+        """LMCache lookup with pins; the tier of each hit chunk, prefix order."""
+        lookup_id = self._lookup_id(live)
+        self.engine.lookup(
+            self.workload.tokens[live.index], lookup_id=lookup_id, pin=True
+        )
+        tiers: list[str] = []
+        for location, keys in self.engine.lookup_pins.get(lookup_id, {}).items():
+            if location in _TIER_OF_LOCATION:
+                tiers.extend([_TIER_OF_LOCATION[location]] * len(keys))
+            else:
+                tiers.extend(self._plugin_tier(key) for key in keys)
+        return tiers
+
+    def _plugin_tier(self, key: Any) -> str:
+        cache = None if self.backend is None else self.backend.cache
+        return (cache and cache.tier_of(key)) or "warm"
+
+    def _retrieve(self, live: _Live) -> None:
+        """Load the hit prefix (the worker's blocking load), then unpin."""
+        tokens = self.workload.tokens[live.index]
+        hit_tokens = min(len(live.hits) * CHUNK_TOKENS, len(tokens))
+        lookup_id = self._lookup_id(live)
+        if hit_tokens:
+            mask = self.engine.retrieve(
+                tokens[:hit_tokens], kvcaches=self.workload.kv, req_id=lookup_id
+            )
+            live.cached = live.computed = int(mask.sum())
+        self.engine.lookup_unpin(lookup_id)
+
+    # ----------------------------------------------------------------- steps
+
+    def _mixed_step(self) -> None:
+        """One step: a budget of prompt tokens, one token per decoding request."""
+        profile = self.setup.profile
+        budget = self.setup.token_budget
+        seconds = 0.0
+        chunks: list[tuple[_Live, int]] = []
+        for live in self.prefilling:
+            # the last prompt token is always computed (vLLM needs its logits)
+            left = max(self.requests[live.index].input_length - live.computed, 1)
+            take = min(left, budget)
+            if take <= 0:
+                break
+            seconds += profile.prefill_s(take, live.computed)
+            chunks.append((live, take))
+            budget -= take
+        seconds += profile.decode_step_s(len(self.decoding), self._context())
+        self.gpu += seconds / self.setup.clock
+        self._sleep_until(self.gpu)
+        self._advance_decoders(1)
+        for live, take in chunks:
+            request = self.requests[live.index]
+            live.computed = min(live.computed + take, request.input_length)
+            if live.computed >= request.input_length:
+                self._prefilled(live)
+
+    def _prefilled(self, live: _Live) -> None:
+        """Store the new KV (what vLLM's LMCache connector saves), first token."""
+        self.prefilling.remove(live)
+        tokens = self.workload.tokens[live.index]
+        skip = live.cached // CHUNK_TOKENS * CHUNK_TOKENS
+        if len(tokens) - skip >= CHUNK_TOKENS:
+            mask = torch.ones(len(tokens), dtype=torch.bool)
+            mask[:skip] = False
+            with self._real_work():
+                self.engine.store(tokens, mask=mask, kvcaches=self.workload.kv)
+        live.first_token = self.gpu
+        live.output_left = self.requests[live.index].output_length - 1
+        if live.output_left > 0:
+            self.decoding.append(live)
+        else:
+            self._finish(live)
+
+    def _decode_steps(self) -> None:
+        """Decode steps up to the next finish, or until an arrival can be
+        admitted (at the end of the step in progress)."""
+        dt = (
+            self.setup.profile.decode_step_s(len(self.decoding), self._context())
+            / self.setup.clock
+        )
+        steps = min(live.output_left for live in self.decoding)
+        began = self.gpu
+        if len(self.decoding) < self.setup.concurrency:
+            with self.cond:
+                self.cond.wait_for(
+                    lambda: bool(self.waiting) or self.done(),
+                    timeout=began + steps * dt - self.now(),
+                )
+            steps = min(steps, max(1, math.ceil((self.now() - began) / dt)))
+        self.gpu = began + steps * dt
+        self._sleep_until(self.gpu)
+        self._advance_decoders(steps)
+
+    def _advance_decoders(self, steps: int) -> None:
+        for live in list(self.decoding):
+            live.output_left -= steps
+            if live.output_left <= 0:
+                self.decoding.remove(live)
+                self._finish(live)
+
+    def _context(self) -> int:
+        """Tokens of context the decoding requests attend to (for the KV reads)."""
+        return sum(
+            self.requests[live.index].input_length
+            + self.requests[live.index].output_length
+            - live.output_left
+            for live in self.decoding
+        )
+
+    def _sleep_until(self, deadline: float) -> None:
+        """Sleep to the GPU clock; note how far the wall clock ran ahead of it
+        (real work slower than modelled, e.g. on a busy machine)."""
+        delay = deadline - self.now()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            self.lag_max = max(self.lag_max, -delay)
+
+    def _finish(self, live: _Live) -> None:
+        request = self.requests[live.index]
+        served = math.ceil(live.cached / CHUNK_TOKENS)
+        self.records[live.index] = RequestRecord(
+            arrival=live.arrival,
+            scheduled=live.scheduled,
+            loaded=live.loaded,
+            first_token=live.first_token,
+            finished=self.gpu,
+            input_length=request.input_length,
+            output_length=request.output_length,
+            prompt_chunks=math.ceil(request.input_length / CHUNK_TOKENS),
+            found=dict(Counter(live.hits)),
+            served=dict(Counter(live.hits[:served])),
+        )
+        with self.cond:
+            for index in self.followers.get(live.index, ()):
+                follower = self.requests[index]
+                release = max(
+                    follower.arrival_s / self.setup.clock,
+                    self.gpu + follower.think_s / self.setup.clock,
+                )
+                heapq.heappush(self.pending, (release, index))
+            self.finished += 1
+            self.cond.notify_all()
+        self.progress.advance()
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``bench``."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="replay a workload through LMCache with each warm-up policy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    load = parser.add_argument_group("workload")
+    load.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="Mooncake JSON-lines trace (default: the built-in generator)",
+    )
+    load.add_argument(
+        "--workload",
+        choices=list(trace.WORKLOADS),
+        default="multi-turn",
+        help="built-in workload when no --trace is given (default: multi-turn)",
+    )
+    load.add_argument(
+        "--limit", type=int, metavar="N", help="replay only the first N requests"
+    )
+    load.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply arrival and think times; < 1 is more load (default: 1)",
+    )
+    load.add_argument(
+        "--seed", type=int, default=0, help="generator and token seed (default: 0)"
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--profile",
+        choices=list(PROFILES),
+        default=DEFAULT_PROFILE,
+        help=f"model and GPUs whose compute is modelled (default: {DEFAULT_PROFILE})",
+    )
+    model.add_argument(
+        "--kv-scale",
+        type=float,
+        metavar="F",
+        help="divide KV bytes and the modelled clock by F (default: the profile's)",
+    )
+    model.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="request slots, vLLM's max_num_seqs (default: 8)",
+    )
+    model.add_argument(
+        "--token-budget",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="prompt tokens per step, vLLM's max_num_batched_tokens (default: 8192)",
+    )
+    tiers = parser.add_argument_group("tiers")
+    tiers.add_argument(
+        "--policies",
+        metavar="LIST",
+        help="warm-up policies to compare, comma-separated (default: every "
+        "installed one, none first)",
+    )
+    tiers.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help=f"skip the stock LocalDiskBackend baseline ({LOCAL_DISK})",
+    )
+    tiers.add_argument(
+        "--hot-gb",
+        type=float,
+        metavar="GB",
+        help="LMCache CPU tier size, 0 for none (default: a quarter of the "
+        "workload's distinct KV)",
+    )
+    tiers.add_argument(
+        "--warm-gb",
+        type=float,
+        metavar="GB",
+        help="warm tier cap (default: half of the distinct KV)",
+    )
+    tiers.add_argument(
+        "--cold-gb",
+        type=float,
+        metavar="GB",
+        help="cold tier cap (default: twice the distinct KV)",
+    )
+    tiers.add_argument(
+        "--warm",
+        metavar="DIRS",
+        help="warm tier directories, one per device, comma-separated (default: "
+        "the temp directory, or the current one if that is in memory)",
+    )
+    tiers.add_argument(
+        "--cold",
+        metavar="DIRS",
+        help="cold tier directories, or 'none' (default: as for --warm)",
+    )
+    tiers.add_argument(
+        "--cold-link",
+        type=_link_arg,
+        metavar="GBPS[,MS]",
+        help="emulate a remote cold tier: a link of this bandwidth and latency "
+        "(production units) paid after each real read of it",
+    )
+    tiers.add_argument(
+        "--io-engine",
+        choices=["auto", "uring", "threads"],
+        default="auto",
+        help="the plugin's I/O engine (default: auto)",
+    )
+    model.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the variants N times, interleaved, and report medians (default: 1)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    out.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="write TTFT CDFs and throughput bars as a PNG (needs matplotlib)",
+    )
+    parser.set_defaults(func=main)
+
+
+def default_policies() -> list[str]:
+    """Every installed warm-up policy, ``none`` (the reference) first."""
+    return sorted(installed_policies(), key=lambda name: (name != "none", name))
+
+
+def _link_arg(text: str) -> LinkModel:
+    try:
+        return LinkModel.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _split(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def default_base() -> str:
+    """The temp directory, unless it is in memory (tmpfs): then the current one.
+
+    Tiers must sit on a real disk for the I/O to mean anything.
+    """
+    base = tempfile.gettempdir()
+    return os.getcwd() if _filesystem_type(base) in ("tmpfs", "ramfs") else base
+
+
+def _filesystem_type(path: str) -> str:
+    best, kind = "", ""
+    with contextlib.suppress(OSError), open("/proc/mounts", encoding="utf-8") as mounts:
+        for line in mounts:
+            fields = line.split()
+            mount = fields[1]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(
+                mount
+            ) > len(best):
+                best, kind = mount, fields[2]
+    return kind
+
+
+def load_requests(args: argparse.Namespace) -> list[trace.Request]:
+    requests = (
+        trace.load_mooncake(args.trace, args.limit)
+        if args.trace
+        else trace.generate(args.workload, args.seed)[: args.limit]
+    )
+    return trace.scale_times(requests, args.time_scale)
+
+
+def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup:
+    """Resolve defaults: sizes follow the workload's distinct KV bytes.
+
+    Hot holds a quarter of them (and at least four of the longest prompts:
+    it also stages every read and write), warm half, cold all of them twice.
+    """
+    profile = get_profile(args.profile)
+    shape = bench_shape(profile, args.kv_scale)
+    per_token = shape.bytes_per_token
+    unique = trace.unique_tokens(requests) * per_token
+    longest = max(r.input_length for r in requests) * per_token
+    staging = max(4 * longest, 64 << 20)
+    base = default_base()
+    warm = _split(args.warm) or [base]
+    cold = [] if args.cold == "none" else _split(args.cold) or [base]
+    return Setup(
+        profile=profile,
+        shape=shape,
+        concurrency=args.concurrency,
+        token_budget=args.token_budget,
+        hot_gb=(max(unique / 4, staging) / GIB) if args.hot_gb is None else args.hot_gb,
+        staging_gb=staging / GIB,
+        warm_gb=args.warm_gb or max(unique / 2, staging) / GIB,
+        cold_gb=args.cold_gb or (2 * unique + staging) / GIB,
+        warm_paths=tuple(warm),
+        cold_paths=tuple(cold),
+        io_engine=args.io_engine,
+        cold_link=args.cold_link,
+    )
+
+
+def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
+    shape, profile = setup.shape, setup.profile
+    unique = trace.unique_tokens(requests) * shape.bytes_per_token
+    link = f"; cold link model: {setup.cold_link}" if setup.cold_link else ""
+    cold = (
+        f"{','.join(setup.cold_paths)} ({setup.cold_gb:.1f} GiB)"
+        if setup.cold_paths
+        else "none"
+    )
+    return "\n".join(
+        [
+            f"workload: {source}, {len(requests)} requests, "
+            f"{sum(r.input_length for r in requests):,} prompt tokens, "
+            f"{unique / 1e9:.2f} GB of distinct KV on this run",
+            f"profile: {profile.name} ({profile.kv_bytes_per_token:,} KV bytes/token "
+            f"per rank) scaled down {shape.kv_scale:g}x to "
+            f"{shape.bytes_per_token:,} bytes/token "
+            f"({setup.chunk_bytes / 2**20:.2f} MiB chunks); times are "
+            f"production-equivalent (wall x {setup.clock:g})",
+            f"tiers: hot {setup.hot_gb:.2f} GiB CPU, warm {','.join(setup.warm_paths)}"
+            f" ({setup.warm_gb:.1f} GiB), cold {cold}, io engine "
+            f"{setup.io_engine}{link}; "
+            f"concurrency {setup.concurrency}",
+        ]
+    )
+
+
+def check_space(setup: Setup, requests: list[trace.Request]) -> None:
+    """Refuse to start a run whose tiers would fill a disk.
+
+    Each tier may hold every distinct chunk once (a variant's files are
+    removed before the next one starts), spread over its directories.
+    """
+    distinct = trace.unique_tokens(requests) * setup.shape.bytes_per_token * 1.1
+    for paths in (setup.warm_paths, setup.cold_paths):
+        for path in paths:
+            need, free = distinct / len(paths), shutil.disk_usage(path).free
+            if need > free:
+                raise ValueError(
+                    f"the run may store {need / 1e9:.1f} GB in {path}, which has "
+                    f"{free / 1e9:.1f} GB free; raise --kv-scale or lower --limit"
+                )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run every variant on the same workload; print, and write JSON/PNG."""
+    policies = _split(args.policies) if args.policies else default_policies()
+    if args.plot and not report.plot_available():
+        print(
+            "bench: --plot needs matplotlib, which is not installed "
+            "(pip install 'lmcache-tiered[plot]'); running without the plot",
+            file=sys.stderr,
+        )
+        args.plot = None
+    try:
+        for option in ("repeat", "concurrency", "token_budget"):
+            if getattr(args, option) < 1:
+                raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
+        requests = load_requests(args)
+        if not requests:
+            raise ValueError("the workload has no requests")
+        setup = make_setup(args, requests)
+        check_space(setup, requests)
+    except (OSError, ValueError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    source = args.trace or (
+        f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"
+    )
+    print(describe(setup, requests, source), flush=True)
+    variants = policies + ([] if args.no_baseline else [LOCAL_DISK])
+    runs: dict[str, list[RunResult]] = {}
+    unavailable: dict[str, str] = {}
+    workload = Workload.build(requests, setup.shape, args.seed)
+    total = len(variants) * args.repeat
+    # interleaved (A B C A B C): drift of the disk or of other load on the
+    # machine then touches every variant alike
+    for number, (repeat, name) in enumerate(
+        ((r, v) for r in range(args.repeat) for v in variants), 1
+    ):
+        if name in unavailable:
+            continue
+        label = f"[{number}/{total}] {name}"
+        if args.repeat > 1:
+            label += f" ({repeat + 1}/{args.repeat})"
+        try:
+            result = run_variant(name, setup, workload, label)
+        except VariantUnavailable as exc:
+            unavailable[name] = str(exc)
+            print(f"{label}: skipped: {exc}", file=sys.stderr)
+            continue
+        runs.setdefault(name, []).append(result)
+    summaries = {
+        name: report.combine([report.summarize(r, setup.clock) for r in results])
+        for name, results in runs.items()
+    }
+    print()
+    print(report.table(summaries))
+    if args.repeat > 1:
+        print(f"(medians of {args.repeat} interleaved runs per variant)")
+    else:
+        print(
+            "(one run per variant: repeat them, --repeat 3, before trusting "
+            "small differences)"
+        )
+    for name, summary in summaries.items():
+        if summary["lag_max_s"] > LAG_NOTE_S:
+            print(
+                f"{name}: the replay fell up to {summary['lag_max_s']:.1f}s behind "
+                "the modelled GPU (real work slower than modelled: a busy or slow "
+                "machine), so background I/O had extra time; rerun on an idle one"
+            )
+    for name, reason in unavailable.items():
+        print(f"{name}: not run ({reason})")
+    if args.json:
+        report.write_json(
+            args.json,
+            {
+                "config": _config_json(setup, requests, source, args),
+                "policies": summaries,
+                "unavailable": unavailable,
+            },
+        )
+    if args.plot and runs:
+        report.plot(args.plot, runs, summaries, setup.clock)
+    return 1 if unavailable else 0
+
+
+def _config_json(
+    setup: Setup, requests: list[trace.Request], source: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    return {
+        "workload": source,
+        "requests": len(requests),
+        "time_scale": args.time_scale,
+        "seed": args.seed,
+        "repeat": args.repeat,
+        "profile": setup.profile.name,
+        "profile_source": setup.profile.source,
+        "kv_bytes_per_token_production": setup.profile.kv_bytes_per_token,
+        "kv_bytes_per_token_bench": setup.shape.bytes_per_token,
+        "kv_scale": setup.shape.kv_scale,
+        "clock_factor": setup.clock,
+        "chunk_bytes": setup.chunk_bytes,
+        "concurrency": setup.concurrency,
+        "token_budget": setup.token_budget,
+        "hot_gb": setup.hot_gb,
+        "staging_gb": setup.staging_gb,
+        "warm_gb": setup.warm_gb,
+        "cold_gb": setup.cold_gb,
+        "warm_paths": list(setup.warm_paths),
+        "cold_paths": list(setup.cold_paths),
+        "io_engine": setup.io_engine,
+        "cold_link": None
+        if setup.cold_link is None
+        else {"gbps": setup.cold_link.gbps, "latency_s": setup.cold_link.latency_s},
+    }

@@ -1,0 +1,365 @@
+"""The bench's machinery on tiny workloads: deterministic counts, not speed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat
+
+from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.bench import harness, replay, report, trace
+from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
+from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
+
+CHUNK = replay.CHUNK_TOKENS
+#: 128 KV bytes per token: 32 KiB chunks
+SMALL = ["--profile", "llama-3.1-8b-tp1", "--kv-scale", "1024"]
+
+
+def write_trace(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def mooncake(ts_ms: int, tokens: int, blocks: list[int], out: int = 2) -> dict:
+    return {
+        "timestamp": ts_ms,
+        "input_length": tokens,
+        "output_length": out,
+        "hash_ids": blocks,
+    }
+
+
+# ----------------------------------------------------------------- workloads
+
+
+def test_mooncake_loader_sorts_limits_and_names_bad_lines(tmp_path: Path) -> None:
+    path = write_trace(
+        tmp_path / "t.jsonl",
+        [mooncake(300, 600, [0, 1]), mooncake(100, 512, [0]), mooncake(200, 10, [5])],
+    )
+    requests = trace.load_mooncake(path)
+    assert [r.arrival_s for r in requests] == [0.1, 0.2, 0.3]
+    assert requests[2].hash_ids == (0, 1)
+    assert len(trace.load_mooncake(path, limit=2)) == 2
+    bad = write_trace(tmp_path / "bad.jsonl", [mooncake(0, 1025, [0, 1])])
+    with pytest.raises(trace.TraceError, match=r"bad.jsonl:1: 2 hash_ids cover"):
+        trace.load_mooncake(bad)
+    (tmp_path / "junk.jsonl").write_text('{"timestamp": 1}\n')
+    with pytest.raises(trace.TraceError, match="junk.jsonl:1: not a Mooncake"):
+        trace.load_mooncake(tmp_path / "junk.jsonl")
+
+
+def test_scale_times_scales_arrivals_and_think_times() -> None:
+    requests = [Request(2.0, 10, 1, (0,)), Request(2.0, 20, 1, (0,), 0, 4.0)]
+    scaled = trace.scale_times(requests, 0.5)
+    assert [(r.arrival_s, r.think_s) for r in scaled] == [(1.0, 0.0), (1.0, 2.0)]
+
+
+def test_multi_turn_extends_each_session_and_shares_system_prompts() -> None:
+    requests = trace.generate("multi-turn", seed=3)
+    assert requests == trace.generate("multi-turn", seed=3)
+    blocks = trace.TokenBlocks(seed=3)
+    follow_ups = [r for r in requests if r.after is not None]
+    assert follow_ups
+    for request in follow_ups:
+        previous = requests[request.after]  # type: ignore[index]
+        assert request.input_length > previous.input_length
+        assert request.think_s > 0
+        # the previous prompt is a prefix of this one, token for token
+        assert torch.equal(
+            blocks.tokens(request)[: previous.input_length], blocks.tokens(previous)
+        )
+    firsts = [r for r in requests if r.after is None]
+    system = trace.WORKLOADS["multi-turn"].system_prompt_blocks
+    heads = {r.hash_ids[:system] for r in firsts}
+    assert len(heads) <= trace.WORKLOADS["multi-turn"].system_prompts < len(firsts)
+
+
+def test_random_access_reuses_documents_in_no_order() -> None:
+    requests = trace.generate("random")
+    assert all(r.after is None for r in requests)
+    documents = {r.hash_ids[: r.input_length // BLOCK_TOKENS] for r in requests}
+    assert len(documents) <= trace.WORKLOADS["random"].sessions < len(requests)
+
+
+def test_short_workload_has_tiny_contexts() -> None:
+    assert max(r.input_length for r in trace.generate("short")) < 2048
+
+
+def test_unique_tokens_counts_shared_blocks_once() -> None:
+    requests = [Request(0, 600, 1, (0, 1)), Request(0, 1024, 1, (0, 1))]
+    assert trace.unique_tokens(requests) == 1024
+
+
+# ------------------------------------------------------------------ profiles
+
+
+def test_reference_profile_kv_bytes_and_scale() -> None:
+    qwen = get_profile("qwen3-coder-480b-fp8-tp8")
+    # 2 (K, V) x 62 layers x 1 KV head per rank (8 / TP8) x 128 x 2 bytes
+    assert qwen.kv_bytes_per_token == 31_744
+    shape = bench_shape(qwen)
+    assert (shape.head_size, shape.kv_scale, shape.bytes_per_token) == (992, 8, 3968)
+    assert shape.chunk_bytes(CHUNK) % 4096 == 0
+    assert 30e9 < qwen.active_params < 40e9  # "A35B"
+    assert qwen.prefill_s(2000, 0) > qwen.prefill_s(1000, 0) > 0
+    assert qwen.prefill_s(1000, 50_000) > qwen.prefill_s(1000, 0)
+    # one sequence touches experts_per_token experts
+    one = qwen.decode_step_s(1, 0) - qwen.step_overhead_s
+    weights = qwen.dense_params + qwen.experts_per_token * qwen.expert_params
+    assert one == pytest.approx(weights / (qwen.tp * qwen.hbm_bytes_per_s * qwen.mbu))
+    with pytest.raises(ValueError, match="Did you mean qwen3-coder-480b-fp8-tp8"):
+        get_profile("qwen3-coder-480b-fp8")
+    assert set(PROFILES) >= {"qwen3-coder-480b-fp8-tp8", "llama-3.1-8b-tp1"}
+
+
+def test_link_model_parses_and_scales_with_the_clock() -> None:
+    link = replay.LinkModel.parse("2.5,0.5")
+    assert (link.gbps, link.latency_s) == (2.5, 0.0005)
+    # 1 GB of bench bytes is clock GB in production, moved clock times faster
+    assert link.delay_s(10**9, clock=8) == pytest.approx(0.0005 / 8 + 0.4)
+    for text in ("fast", "0", "1,2,3", "1,-1"):
+        with pytest.raises(ValueError, match="cold link"):
+            replay.LinkModel.parse(text)
+
+
+def test_link_model_delays_both_read_paths_of_a_tier(
+    tier_factory: Any, allocator: Any
+) -> None:
+    """Demand reads and tier-to-tier payload reads both pay the link; misses
+    move no bytes and pay nothing."""
+    tier = tier_factory()
+    obj = allocator.allocate(
+        torch.Size([2, 2, 64, 128]), torch.bfloat16, MemoryFormat.KV_2LTD
+    )  # 64 KiB
+    stored, missing = (
+        CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in (5, 6)
+    )
+    assert tier.write([(stored, obj)]) == [True]
+    # 64 KiB over 0.001 GB/s: 65.5 ms, plus 100 ms of latency / clock 10
+    replay.emulate_link(tier, replay.LinkModel(0.001, 0.1), clock=10)
+
+    def timed(read: Any) -> float:
+        began = time.perf_counter()
+        read()
+        return time.perf_counter() - began
+
+    def allocate(header: Any) -> Any:
+        return allocator.allocate(header.shape, header.dtype, header.fmt)
+
+    assert timed(lambda: tier.read([stored], allocate)) >= 0.0755
+    assert timed(lambda: tier.read_payloads([stored])) >= 0.0755
+    assert timed(lambda: tier.read_payloads([missing])) < 0.05
+
+
+# -------------------------------------------------------------------- replay
+
+
+def bench_args(tmp_path: Path, trace_path: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    replay.add_parser(parser.add_subparsers())
+    for disk in ("warm", "cold"):
+        (tmp_path / disk).mkdir(exist_ok=True)
+    return parser.parse_args(
+        [
+            "bench",
+            "--trace",
+            str(trace_path),
+            *SMALL,
+            "--warm",
+            str(tmp_path / "warm"),
+            "--cold",
+            str(tmp_path / "cold"),
+            "--concurrency",
+            "2",
+            *extra,
+        ]
+    )
+
+
+def session_trace(tmp_path: Path) -> Path:
+    """A: 3 full chunks + 100 tokens; B, 150 s later: A's prompt + 600 tokens;
+    C: unrelated. (150 s is 0.15 s on the bench clock: A is stored by then.)"""
+    return write_trace(
+        tmp_path / "session.jsonl",
+        [
+            mooncake(0, 3 * CHUNK + 100, [7, 8]),
+            mooncake(150_000, 3 * CHUNK + 700, [7, 8, 9]),
+            mooncake(200_000, 300, [20]),
+        ],
+    )
+
+
+def run(args: argparse.Namespace, name: str) -> report.RunResult:
+    requests = replay.load_requests(args)
+    setup = replay.make_setup(args, requests)
+    workload = replay.Workload.build(requests, setup.shape, args.seed)
+    return replay.run_variant(name, setup, workload, name)
+
+
+@pytest.mark.parametrize("variant", ["none", replay.LOCAL_DISK])
+@pytest.mark.parametrize("hot_gb", ["0.05", "0"])
+def test_served_chunks_per_tier(tmp_path: Path, variant: str, hot_gb: str) -> None:
+    """B reuses A's 3 full chunks: from the CPU tier when there is one, else
+    from disk (the plugin's warm tier, or the stock disk backend)."""
+    args = bench_args(tmp_path, session_trace(tmp_path), "--hot-gb", hot_gb)
+    result = run(args, variant)
+    a, b, c = result.records
+    assert [r.prompt_chunks for r in (a, b, c)] == [4, 6, 2]
+    assert a.served == {} and c.served == {}
+    assert b.served == b.found == ({"hot": 3} if hot_gb != "0" else {"warm": 3})
+    assert all(r.arrival <= r.scheduled <= r.loaded <= r.first_token for r in (a, b))
+    summary = report.summarize(result, clock=1024)
+    assert summary["requests"] == 3
+    tier = "hot" if hot_gb != "0" else "warm"
+    assert summary["hit_rate"][tier] == pytest.approx(3 / 12)
+    chunk = result.chunk_bytes
+    assert chunk == CHUNK * 128
+    if tier == "hot":
+        assert summary["bytes_read"]["hot"] == 3 * chunk
+    else:
+        assert summary["bytes_read"]["warm"] == 3 * chunk
+        if variant == "none":  # the plugin counts its own reads
+            assert result.backend_metrics["tiers"]["warm"]["hits"] == 3
+
+
+def test_arrival_hints_reach_the_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every arrival is hinted with its prompt, over the loopback endpoint."""
+    hinted: list[list[int]] = []
+
+    def record(self: TieredBackend, token_ids: Any = None, **kwargs: Any) -> None:
+        hinted.append(list(token_ids))
+
+    monkeypatch.setattr(TieredBackend, "hint", record)
+    args = bench_args(tmp_path, session_trace(tmp_path))
+    requests = replay.load_requests(args)
+    run(args, "none")
+    blocks = trace.TokenBlocks(args.seed)
+    assert sorted(hinted) == sorted(blocks.tokens(r).tolist() for r in requests)
+
+
+def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
+    """A closed-loop turn arrives its think time after the previous finished."""
+    requests = [
+        Request(0.0, 300, 40, (1,)),
+        Request(0.0, 400, 2, (1,), after=0, think_s=50.0),
+    ]
+    args = bench_args(tmp_path, session_trace(tmp_path))
+    setup = replay.make_setup(args, requests)
+    workload = replay.Workload.build(requests, setup.shape, 0)
+    first, second = replay.run_variant("none", setup, workload, "x").records
+    assert second.arrival >= first.finished + 50.0 / setup.clock
+
+
+def test_cli_writes_json_and_reports_missing_policy_and_plot(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(report, "plot_available", lambda: False)
+    out = tmp_path / "r.json"
+    args = bench_args(
+        tmp_path,
+        session_trace(tmp_path),
+        "--policies",
+        "none,no-such-policy",
+        "--no-baseline",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "r.png"),
+    )
+    assert args.func(args) == 1  # a policy asked for did not run
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib" in captured.err
+    assert "no warm-up policy named 'no-such-policy'" in captured.out
+    assert not (tmp_path / "r.png").exists()
+    document = json.loads(out.read_text())
+    assert list(document["policies"]) == ["none"]
+    assert "no-such-policy" in document["unavailable"]
+    entry = document["policies"]["none"]
+    for key in (
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "throughput_rps",
+        "throughput_tps",
+        "warmup_precision",
+    ):
+        assert isinstance(entry[key], float | None), key
+    assert set(entry["hit_rate"]) == {"hot", "warm", "cold"}
+    assert entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
+    assert document["config"]["clock_factor"] == 1024
+    # the variants' directories are gone
+    assert not [*(tmp_path / "warm").iterdir(), *(tmp_path / "cold").iterdir()]
+
+
+def test_percentile_interpolates() -> None:
+    assert report.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert report.percentile([5.0], 99) == 5.0
+    assert math.isclose(report.percentile(list(map(float, range(101))), 90), 90.0)
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    record = report.RequestRecord(0.0, 0.1, 0.2, 0.5, 1.0, 300, 5, 2)
+    result = report.RunResult("none", [record, record], 1024, None, {}, None, None, 1)
+    summaries = {"none": report.summarize(result, clock=8)}
+    path = tmp_path / "bench.png"
+    report.plot(str(path), {"none": [result, result]}, summaries, clock=8)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeated_runs_combine_to_medians() -> None:
+    runs = [
+        {
+            "ttft_p50_s": t,
+            "ttft_p90_s": t,
+            "throughput_rps": 1.0,
+            "throughput_tps": 1.0,
+            "hit_rate": {"hot": h},
+            "warmup_precision": p,
+            "backend_metrics": {},
+        }
+        for t, h, p in ((3.0, 0.1, None), (1.0, 0.3, 0.5), (2.0, 0.2, None))
+    ]
+    combined = report.combine(runs)
+    assert combined["ttft_p50_s"] == 2.0
+    assert combined["hit_rate"] == {"hot": 0.2}
+    assert combined["warmup_precision"] == 0.5
+    assert combined["runs"] == 3 and combined["backend_metrics"] == [{}, {}, {}]
+    assert combined["per_run"]["ttft_p50_s"] == [3.0, 1.0, 2.0]
+    assert report.combine(runs[:1])["warmup_precision"] is None
+
+
+def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
+    args = bench_args(tmp_path, session_trace(tmp_path))
+    setup = replay.make_setup(args, replay.load_requests(args))
+    config = harness.build_config(max_local_cpu_size_gb=0.05)
+    engine, _ = harness.build_engine(
+        config, num_layers=1, num_kv_heads=1, head_size=setup.shape.head_size
+    )
+    try:
+        copies = replay.GpuCopies(engine, setup)
+        tokens = torch.arange(2 * CHUNK)
+        kv = torch.zeros(1, 2, 2 * CHUNK, 1, setup.shape.head_size).bfloat16()
+        engine.store(tokens, kvcaches=kv)
+        harness.retrieve_tokens(engine, tokens, kv=kv)
+        nbytes = 2 * 2 * CHUNK * setup.shape.bytes_per_token  # down, then up
+        assert copies.modelled_s == pytest.approx(
+            nbytes / setup.profile.pcie_bytes_per_s
+        )
+        assert copies.measured_s > 0
+    finally:
+        harness.destroy_engine(engine)
