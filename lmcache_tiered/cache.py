@@ -11,6 +11,17 @@ adapter (:mod:`lmcache_tiered.mp`) share one implementation.
   goes to both tiers (``through``).
 - The warm-up policy sees every lookup, store, hit, eviction and hint; its
   plans run on the promoter thread, after demand reads.
+
+Durability point: a put is *acknowledged* when the writer has written its
+payload and then its header to a tier; only then does LMCache's
+``on_complete_callback`` run and ``exists_in_put_tasks`` turn false. An
+acknowledged put survives a crash of the process (``kill -9``) and is served
+after the restart unless capacity evicted it meanwhile; a put not yet
+acknowledged is either lost or served whole, never torn. With
+``tiered.fsync: true`` each write batch is also fdatasync'ed before it is
+acknowledged, so it survives a power loss too. A degraded tier (see
+:mod:`lmcache_tiered.tier`) is skipped: its lookups fall through to the next
+tier and puts go to the tiers that work.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
 from lmcache_tiered.keys import key_digest
-from lmcache_tiered.tier import Allocator, Tier
+from lmcache_tiered.tier import Allocator, Payload, Tier
 from lmcache_tiered.warmup import load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
 from lmcache_tiered.warmup.chains import ChainIndex
@@ -106,6 +117,7 @@ class TieredCache:
                 tier.close()
             raise
         self._lock = threading.Lock()
+        self._store_lock = threading.Lock()
         self._pending: dict[bytes, int] = {}
         self._queued_bytes = 0
         self.puts_dropped = 0
@@ -120,6 +132,7 @@ class TieredCache:
             policy=self.policy,
             view=self,
             tiers=self.tiers,
+            store=self.store,
             hot=hot,
             bandwidth_bytes_s=settings.warmup_bandwidth_bytes_s,
             hot_budget_bytes=int(
@@ -317,20 +330,12 @@ class TieredCache:
                 return
 
     def _write(self, batches: list[_Batch]) -> None:
-        items = [(k, o) for b in batches for k, o in zip(b.keys, b.objs, strict=True)]
-        cold = self.tiers.get("cold")
-        through = self.settings.cold_write_through
-        if cold is not None and not through:
-            self._demote(self.warm.victims(len(items)), cold)
-        stored = self.warm.write(items)
-        if cold is not None:
-            # through: every chunk goes below too; back: what warm could not take
-            below = [i for i, ok in enumerate(stored) if through or not ok]
-            if below:
-                cold_ok = cold.write([items[i] for i in below])
-                for i, ok in zip(below, cold_ok, strict=True):
-                    stored[i] = stored[i] or ok
-        done = iter(stored)
+        payloads = [
+            Payload.of(k, o)
+            for b in batches
+            for k, o in zip(b.keys, b.objs, strict=True)
+        ]
+        done = iter(self.store(payloads))
         for batch in batches:
             for key in batch.keys:
                 if next(done) and batch.callback is not None:
@@ -338,6 +343,30 @@ class TieredCache:
                         batch.callback(key)
                     except Exception:
                         logger.exception("lmcache_tiered: put callback failed")
+
+    def store(self, payloads: list[Payload]) -> list[bool]:
+        """Write chunks to warm without losing any: first warm's next victims
+        are copied to cold (write-back), then what warm cannot take goes to
+        cold; with write-through every chunk goes to both.
+
+        The writer and the promoter both store; one lock keeps a victim from
+        being overwritten between its demotion and the write (it is held across
+        I/O, but only ever by those two background threads).
+        """
+        cold = self.tiers.get("cold")
+        through = self.settings.cold_write_through
+        with self._store_lock:
+            if cold is not None and not through:
+                self._demote(self.warm.victims(len(payloads)), cold)
+            stored = self.warm.write_payloads(payloads)
+            if cold is not None:
+                # through: every chunk goes below too; back: what warm refused
+                below = [i for i, ok in enumerate(stored) if through or not ok]
+                if below:
+                    cold_ok = cold.write_payloads([payloads[i] for i in below])
+                    for i, ok in zip(below, cold_ok, strict=True):
+                        stored[i] = stored[i] or ok
+        return stored
 
     def _demote(self, victims: list[CacheEngineKey], cold: Tier) -> None:
         """Copy warm's next victims to cold before they are overwritten."""
@@ -370,7 +399,8 @@ class TieredCache:
         warmup["precision"] = self.promoter.stats.precision
         return {
             "tiers": {
-                name: asdict(t.stats) | {"used_bytes": t.used_bytes, "chunks": len(t)}
+                name: asdict(t.stats)
+                | {"used_bytes": t.used_bytes, "chunks": len(t), "degraded": t.degraded}
                 for name, t in self.tiers.items()
             },
             "warmup": warmup,

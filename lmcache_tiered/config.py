@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ def _parse_float(key: str, value: Any) -> float:
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if not math.isfinite(number):
         raise ConfigError(f"{key}: expected a finite number, got {value!r}")
@@ -90,6 +91,23 @@ def _positive(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
         return number
 
     return parse_positive
+
+
+def _in_range(
+    parse: Callable[[str, Any], Any], low: float, high: float = math.inf
+) -> Callable[[str, Any], Any]:
+    def parse_in_range(key: str, value: Any) -> Any:
+        number = parse(key, value)
+        if not low <= number <= high:
+            limits = (
+                f"at least {low:g}"
+                if high == math.inf
+                else f"between {low:g} and {high:g}"
+            )
+            raise ConfigError(f"{key}: must be {limits}, got {value!r}")
+        return number
+
+    return parse_in_range
 
 
 def _fraction(key: str, value: Any) -> float:
@@ -145,7 +163,8 @@ SETTINGS: dict[str, Setting] = {
     ),
     "direct_io": Setting(_parse_bool, True, "use O_DIRECT (page cache bypass)"),
     "slot_mb": Setting(
-        _positive(_parse_float),
+        # at least one 4 KiB block: a smaller slot cannot be planned
+        _in_range(_parse_float, 4 / 1024),
         None,
         "largest chunk in MiB; default: LMCache's full chunk size",
     ),
@@ -163,7 +182,7 @@ SETTINGS: dict[str, Setting] = {
         "back: warm evictions move to cold; through: every put goes to both",
     ),
     "warm.admit_after_hits": Setting(
-        _parse_int,
+        _in_range(_parse_int, 0),
         0,
         "write a chunk to NVMe only once it was seen this often (frequency policy)",
     ),
@@ -182,7 +201,7 @@ SETTINGS: dict[str, Setting] = {
         _positive(_parse_float), 50.0, "period of the policies' on_tick event"
     ),
     "warmup.hint_port": Setting(
-        _parse_int,
+        _in_range(_parse_int, -1, 65535),
         -1,
         "loopback port of the arrival-hint endpoint (0: any free port, -1: off)",
     ),
@@ -330,3 +349,17 @@ def check_directory(key: str, path: str) -> None:
             f"{key}: {path} is not writable by this process (uid {os.getuid()}); "
             "fix its owner or permissions"
         )
+
+
+def exposure_warning(path: str) -> str | None:
+    """Why ``path`` (a tier directory or data file) is open to other users, if
+    it is: another user could then plant records that this process serves."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if st.st_uid != os.geteuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this process"
+    if st.st_mode & stat.S_IWOTH:
+        return f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+    return None

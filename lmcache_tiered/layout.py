@@ -14,6 +14,7 @@ its own: a record whose write did not finish is never served.
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ FORMAT_VERSION = 1
 RECORD_MAGIC = b"LMTRREC1"
 SUPER_MAGIC = b"LMTRSUP1"
 MAX_DIMS = 8
+#: More devices than this in one tier is a damaged superblock, not a host.
+MAX_DEVICES = 1024
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -130,11 +133,19 @@ class RecordHeader:
         (stored_crc,) = _CRC.unpack_from(block, end)
         if zlib.crc32(block[:end]) != stored_crc:
             raise CorruptRecord("header checksum mismatch")
-        shape = torch.Size(struct.unpack_from(f"<{ndim}Q", block, _RECORD.size))
+        dims = struct.unpack_from(f"<{ndim}Q", block, _RECORD.size)
         offset = _RECORD.size + 8 * ndim
         dtype = _DTYPES.get(block[offset : offset + dlen].decode(errors="replace"))
         if dtype is None:
             raise CorruptRecord("unknown dtype")
+        # in Python ints: torch.Size.numel() wraps around on crafted dimensions,
+        # and torch.Size refuses a dimension past int64
+        if (
+            size > max_payload
+            or not all(0 < d <= max_payload for d in dims)
+            or math.prod(dims) * dtype.itemsize != size
+        ):
+            raise CorruptRecord("payload size does not match shape or slot")
         try:
             key = key_from_string(block[offset + dlen : end].decode())
             memory_format = MemoryFormat(fmt)
@@ -142,8 +153,7 @@ class RecordHeader:
             raise CorruptRecord(f"bad key or format: {exc}") from None
         if key_digest(key) != digest:
             raise CorruptRecord("key digest mismatch")
-        if size > max_payload or shape.numel() * dtype.itemsize != size:
-            raise CorruptRecord("payload size does not match shape or slot")
+        shape = torch.Size(dims)
         return RecordHeader(key, shape, dtype, memory_format, size, crc, seq, created)
 
 
@@ -228,4 +238,16 @@ class Geometry:
         )
         if magic != SUPER_MAGIC or version != FORMAT_VERSION:
             return None
-        return Geometry(devices, stripe, per_device, max_payload)
+        geometry = Geometry(devices, stripe, per_device, max_payload)
+        return geometry if geometry.is_sane() else None
+
+    def is_sane(self) -> bool:
+        """Whether slots and extents computed from this geometry stay inside
+        its slabs: tools that take the geometry from disk check it first."""
+        return (
+            1 <= self.devices <= MAX_DEVICES
+            and self.stripe > 0
+            and self.stripe % ALIGN == 0
+            and self.per_device % self.stripe == 0
+            and 0 < self.max_payload <= self.per_device * self.devices
+        )

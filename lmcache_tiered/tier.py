@@ -4,27 +4,43 @@ A tier stores LMCache MemoryObjs in fixed-size slots striped over its devices
 (see :mod:`lmcache_tiered.layout`). Reads and writes of a whole batch go to the
 engine at once, so every device has a deep queue. The in-memory index is the
 only shared state; it is guarded by one lock that is never held across I/O.
+
+Health: a record that fails its checks is a miss and is dropped; a device that
+fails is a miss for the whole tier. After :data:`DEGRADE_AFTER` failed I/O
+operations in a row, or when its files vanish from its paths (directory
+removed, device remounted), the tier is *degraded*: one WARNING line says why,
+its lookups and reads are misses, its writes are dropped, and the other tiers
+keep serving. A prober thread retries every :data:`PROBE_S` seconds: the same
+files working again bring the tier back with its index (every record is
+CRC-checked once more), files replaced at its paths are opened afresh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
+import stat
 import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import as_completed
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
 
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
+from lmcache_tiered.config import (
+    ConfigError,
+    TieredConfig,
+    TierSettings,
+    exposure_warning,
+)
 from lmcache_tiered.io import aligned_buffer, make_engine
 from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.keys import key_digest, key_text
@@ -47,6 +63,13 @@ Allocator = Callable[[RecordHeader], MemoryObj | None]
 _GROW_SLOTS = 64
 #: Header bytes read per request when the index is rebuilt at start-up.
 _SCAN_BYTES = 4 << 20
+#: Failed I/O operations in a row (no success between) that degrade a tier.
+DEGRADE_AFTER = 3
+#: Seconds between checks that a tier's files are still at its paths, and
+#: between probes of a degraded tier.
+PROBE_S = 5.0
+#: errnos of a full file system: the tier stops growing but is not degraded.
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @dataclass(slots=True)
@@ -78,6 +101,8 @@ class TierStats:
     corrupt: int = 0
     evictions: int = 0
     io_errors: int = 0
+    #: times the tier went degraded (see the module docstring)
+    degradations: int = 0
     read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
@@ -128,6 +153,10 @@ class Tier:
 
     ``owner`` names this process's files (one slab per device and one header
     file); two live processes can never own the same files (``flock``).
+
+    Durability: a record is on disk, and survives a crash of this process,
+    once :meth:`write_payloads` returns True for it (payload, then header,
+    both written); with ``tiered.fsync`` it also survives a power loss.
     """
 
     def __init__(
@@ -147,7 +176,9 @@ class Tier:
         self.geometry = Geometry.plan(
             len(settings.paths), config.stripe_bytes, align_up(max_payload)
         )
-        self.max_slots = capacity_bytes // self.geometry.slot_disk_bytes
+        self.max_slots = self._capacity_slots = (
+            capacity_bytes // self.geometry.slot_disk_bytes
+        )
         if self.max_slots < 1:
             raise ConfigError(
                 f"tiered.{self.name}.capacity_gb: {capacity_bytes / 2**30:.3f} GiB "
@@ -163,40 +194,95 @@ class Tier:
         #: called (outside the lock) with the keys evicted by a write
         self.on_evict: Callable[[list[CacheEngineKey]], None] | None = None
         self.direct_io = config.direct_io
-        self._fds = self._open_files(owner, config.file_mode)
-        self.engine = make_engine(config.io_engine, self._fds, config.queue_depth)
-        self._header_file = len(self._fds) - 1
-        self._load_or_format()
+        #: why the tier is degraded (None: healthy)
+        self.degraded: str | None = None
+        self._failures = 0
+        #: operations using the files now; a reopen waits for none
+        self._busy = 0
+        self._next_check = time.monotonic() + PROBE_S
+        self._stop = threading.Event()
+        self._prober: threading.Thread | None = None
+        self._mode = config.file_mode
+        self._engine_kind = config.io_engine
+        self._queue_depth = config.queue_depth
+        self._names = [os.path.join(p, f"{owner}.slab") for p in self.paths]
+        self._names.append(os.path.join(self.paths[0], f"{owner}.hdr"))
+        self._lock_name = os.path.join(self.paths[0], f"{owner}.lock")
+        self._header_file = len(self._names) - 1
+        for path in self.paths:
+            if (why := exposure_warning(path)) is not None:
+                logger.warning(
+                    "tier %s: %s; another user could plant data in it", self.name, why
+                )
+        self._open_files()
+        try:
+            self._load_or_format()
+        except BaseException:
+            self._close_files()
+            raise
 
     # ------------------------------------------------------------------ files
 
-    def _open_files(self, owner: str, mode: int) -> list[int]:
-        """Lock the tier for this process, then open (creating) its files.
+    def _open_files(self) -> None:
+        """Lock the tier for this process, then open (creating) its files and
+        start its engine.
 
         The lock lives on its own descriptor: an io_uring ring keeps its
         registered files open for a while after it is torn down.
         """
-        lock_name = os.path.join(self.paths[0], f"{owner}.lock")
-        self._lock_fd = os.open(
-            lock_name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode
+        lock_fd = os.open(
+            self._lock_name,
+            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            self._mode,
         )
+        fds: list[int] = []
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise ConfigError(
-                f"tiered.{self.name}.paths: {lock_name} is held by another live "
-                "process; give each LMCache instance its own directories"
-            ) from None
-        names = [os.path.join(p, f"{owner}.slab") for p in self.paths]
-        names.append(os.path.join(self.paths[0], f"{owner}.hdr"))
-        return [self._open(name, mode) for name in names]
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConfigError(
+                    f"tiered.{self.name}.paths: {self._lock_name} is held by another "
+                    "live process; give each LMCache instance its own directories"
+                ) from None
+            for name in self._names:
+                fds.append(self._open(name))
+            engine = make_engine(self._engine_kind, fds, self._queue_depth)
+        except BaseException:
+            for fd in [*fds, lock_fd]:
+                os.close(fd)
+            raise
+        self._lock_fd, self._fds, self.engine = lock_fd, fds, engine
 
-    def _open(self, name: str, mode: int) -> int:
+    def _open(self, name: str) -> int:
+        """Open one data file: never through a symbolic link, with the
+        configured mode whatever the umask or an earlier run left."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = self._open_direct(name, flags)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise ConfigError(
+                f"tiered.{self.name}.paths: {name} is a symbolic link; tier files "
+                "are never opened through links: remove it"
+            ) from None
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid():
+            logger.warning(
+                "tier %s: %s is owned by uid %d, not by this process; another user "
+                "could plant data in it",
+                self.name,
+                name,
+                info.st_uid,
+            )
+        elif stat.S_IMODE(info.st_mode) != self._mode:
+            os.fchmod(fd, self._mode)
+        return fd
+
+    def _open_direct(self, name: str, flags: int) -> int:
         if self.direct_io:
             try:
-                return os.open(name, flags | os.O_DIRECT, mode)
+                return os.open(name, flags | os.O_DIRECT, self._mode)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -207,18 +293,30 @@ class Tier:
                     self.name,
                 )
                 self.direct_io = False
-        return os.open(name, flags, mode)
+        return os.open(name, flags, self._mode)
+
+    def _close_files(self) -> None:
+        """Stop the engine and close the files and the lock (idempotent)."""
+        if not self._fds:
+            return
+        self.engine.close()
+        for fd in [*self._fds, self._lock_fd]:
+            os.close(fd)
+        self._fds = []
 
     def _load_or_format(self) -> None:
-        """Rebuild the index from the header file, or start a fresh one."""
+        """Rebuild the index from the header file, or start a fresh one.
+
+        Raises OSError when the superblock cannot be written: a tier that
+        cannot record its layout must not take writes.
+        """
         header_fd = self._fds[self._header_file]
         size = os.fstat(header_fd).st_size
         on_disk = None
         if size >= HEADER_SIZE:
             block = aligned_buffer(HEADER_SIZE)
-            if self.engine.read([IORequest(self._header_file, 0, block)]) == [
-                HEADER_SIZE
-            ]:
+            request = IORequest(self._header_file, 0, block)
+            if self._submit([request], write=False).result() == [HEADER_SIZE]:
                 on_disk = Geometry.decode_superblock(block)
         if on_disk == self.geometry:
             self._scan_headers(size)
@@ -236,11 +334,26 @@ class Tier:
             os.ftruncate(fd, 0)
         block = aligned_buffer(HEADER_SIZE)
         block[:] = self.geometry.encode_superblock()
-        self._write_all([IORequest(self._header_file, 0, block)])
+        if self._write_all([IORequest(self._header_file, 0, block)]) != [True]:
+            raise OSError(
+                errno.EIO, f"cannot write the superblock of {self._names[-1]}"
+            )
+        with self._lock:
+            self._entries, self._free = OrderedDict(), []
+            self._allocated_slots = self._sequence = 0
 
     def _scan_headers(self, size: int) -> None:
         """Index every valid header; the rest of the slots become free."""
         slots = min(size // HEADER_SIZE - 1, self.max_slots)
+        if size % HEADER_SIZE:
+            self.stats.corrupt += 1  # a header cut by a truncated file
+            logger.warning(
+                "tier %s: %s ends inside the header of slot %d (truncated file); "
+                "records from there on are lost",
+                self.name,
+                self._names[self._header_file],
+                size // HEADER_SIZE - 1,
+            )
         found: list[tuple[int, RecordHeader]] = []
         buffer = aligned_buffer(_SCAN_BYTES)
         per_read = _SCAN_BYTES // HEADER_SIZE
@@ -248,7 +361,8 @@ class Tier:
             count = min(per_read, slots - first)
             view = buffer[: count * HEADER_SIZE]
             request = IORequest(self._header_file, Geometry.header_offset(first), view)
-            if self.engine.read([request]) != [len(view)]:
+            if self._submit([request], write=False).result() != [len(view)]:
+                slots = first  # the header file ends early: so does the tier
                 break
             for i in range(count):
                 block = view[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
@@ -260,21 +374,49 @@ class Tier:
                     self.stats.corrupt += 1
                     continue
                 found.append((first + i, header))
+        found = self._within_slabs(found)
         found.sort(key=lambda item: item[1].sequence)
+        entries: OrderedDict[bytes, Entry] = OrderedDict()
         used = set()
         for slot, header in found:
             digest = key_digest(header.key)
-            old = self._entries.pop(digest, None)
+            old = entries.pop(digest, None)
             if old is not None:
                 used.discard(old.slot)
-            self._entries[digest] = Entry(slot, header, verified=False)
+            entries[digest] = Entry(slot, header, verified=False)
             used.add(slot)
-        self._allocated_slots = slots
-        self._free = sorted(set(range(slots)) - used, reverse=True)
-        self._sequence = max((h.sequence for _, h in found), default=0)
+        with self._lock:
+            self._entries = entries
+            self._allocated_slots = slots
+            self._free = sorted(set(range(slots)) - used, reverse=True)
+            self._sequence = max((h.sequence for _, h in found), default=0)
         logger.info(
             "tier %s: recovered %d chunks from %s", self.name, len(used), self.paths
         )
+
+    def _within_slabs(
+        self, found: list[tuple[int, RecordHeader]]
+    ) -> list[tuple[int, RecordHeader]]:
+        """The records whose payload lies inside the slabs; the others (a slab
+        truncated, or replaced by an empty one) are counted and left out."""
+        sizes = [os.fstat(fd).st_size for fd in self._fds[: self._header_file]]
+        whole = [
+            (slot, header)
+            for slot, header in found
+            if all(
+                e.offset + e.length <= sizes[e.device]
+                for e in self.geometry.extents(slot, header.payload_size)
+            )
+        ]
+        if cut := len(found) - len(whole):
+            self.stats.corrupt += cut
+            logger.warning(
+                "tier %s: %d chunks run past the end of a slab (truncated or "
+                "replaced file); dropped",
+                self.name,
+                cut,
+            )
+        return whole
 
     # ------------------------------------------------------------------ index
 
@@ -291,9 +433,11 @@ class Tier:
 
         Keys come in prefix order and are touched tails first, so a chain's
         head is always more recent than its tail: eviction never leaves a
-        tail whose head is gone.
+        tail whose head is gone. A degraded tier holds nothing.
         """
         with self._lock:
+            if self.degraded is not None:
+                return 0
             found = 0
             for key in keys:
                 entry = self._entries.get(key_digest(key))
@@ -310,11 +454,15 @@ class Tier:
                 self._entries.move_to_end(digest)
 
     def header(self, key: CacheEngineKey) -> RecordHeader | None:
+        if self.degraded is not None:
+            return None
         entry = self._entries.get(key_digest(key))
         return None if entry is None else entry.header
 
     def stored_keys(self) -> list[CacheEngineKey]:
         with self._lock:
+            if self.degraded is not None:
+                return []
             return [e.header.key for e in self._entries.values()]
 
     def pin(self, key: CacheEngineKey) -> bool:
@@ -360,11 +508,16 @@ class Tier:
         owns the returned MemoryObjs (one reference each). A record that fails
         its checks is dropped from the tier; one that found no memory is not.
         """
-        entries = self._begin_reads(keys)
-        objs = [None if e is None else allocate(e.header) for e in entries]
-        views = [None if o is None else payload_view(o) for o in objs]
-        direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
-        outcomes = self._read_into(entries, views, direct)
+        objs: list[MemoryObj | None] = [None] * len(keys)
+        with self._files_in_use() as usable:
+            if not usable:
+                self.stats.misses += len(keys)
+                return objs
+            entries = self._begin_reads(keys)
+            objs = [None if e is None else allocate(e.header) for e in entries]
+            views = [None if o is None else payload_view(o) for o in objs]
+            direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
+            outcomes = self._read_into(entries, views, direct)
         for i, ok in enumerate(outcomes):
             obj = objs[i]
             if not ok and obj is not None:
@@ -374,12 +527,16 @@ class Tier:
 
     def read_payloads(self, keys: Sequence[CacheEngineKey]) -> list[Payload | None]:
         """Read records into fresh aligned buffers (tier-to-tier copies)."""
-        entries = self._begin_reads(keys)
-        views = [
-            None if e is None else aligned_buffer(align_up(e.header.payload_size))
-            for e in entries
-        ]
-        outcomes = self._read_into(entries, views, [True] * len(keys))
+        with self._files_in_use() as usable:
+            if not usable:
+                self.stats.misses += len(keys)
+                return [None] * len(keys)
+            entries = self._begin_reads(keys)
+            views = [
+                None if e is None else aligned_buffer(align_up(e.header.payload_size))
+                for e in entries
+            ]
+            outcomes = self._read_into(entries, views, [True] * len(keys))
         return [
             Payload(
                 e.header.key,
@@ -401,7 +558,8 @@ class Tier:
         direct: Sequence[bool],
     ) -> list[bool | None]:
         """Read the records into ``views``; per record True (good), False
-        (bad: dropped from the tier) or None (not read: no buffer).
+        (bad: dropped from the tier) or None (not read: no buffer, or the
+        device failed; the record stays).
 
         One engine batch per record, all in flight at once; each record is
         checked as soon as its own I/O lands, while the others still read.
@@ -414,7 +572,7 @@ class Tier:
         ]
         started = time.perf_counter()
         pending = {
-            self.engine.submit(t.requests, write=False): i
+            self._submit(t.requests, write=False): i
             for i, t in enumerate(transfers)
             if t is not None
         }
@@ -447,15 +605,31 @@ class Tier:
         transfer: _Transfer,
         results: list[int],
         view: memoryview,
-    ) -> bool:
-        """Check one record's transfers, copy bounce tails, verify its CRC."""
+    ) -> bool | None:
+        """Check one record's transfers, copy bounce tails, verify its CRC.
+
+        An I/O error is the device's fault, not the record's: a miss that
+        keeps the record and counts towards degrading the tier. A short read
+        (the slab ends inside the record) is a damaged record, like a bad
+        checksum: dropped.
+        """
+        failure = self._first_error(transfer.requests, results)
+        self._note_io(failure)
+        if failure is not None:
+            self.stats.io_errors += 1
+            return None
+        header = entry.header
         done = zip(results, transfer.requests, strict=True)
         if not all(n >= len(r.buffer) for n, r in done):
-            self.stats.io_errors += 1
+            self.stats.corrupt += 1
+            logger.warning(
+                "tier %s: chunk %s is cut short on disk (truncated file); dropped",
+                self.name,
+                key_text(header.key),
+            )
             return False
         for bounce, start, length in transfer.bounces:
             view[start : start + length] = bounce[:length]
-        header = entry.header
         if (self.verify_reads or not entry.verified) and zlib.crc32(
             view[: header.payload_size]
         ) != header.payload_crc:
@@ -532,11 +706,22 @@ class Tier:
 
         Payloads go first, then the headers that make them visible, so a crash
         never leaves a servable record with a torn payload. A key that cannot
-        get a slot (the tier is full of pinned or in-use records) is dropped
-        and counted, never waited for. Keys are given in prefix order (heads
-        first) and become most recent heads last, so tails are evicted first.
+        get a slot (the tier is full of pinned or in-use records, its disk is
+        full, or it is degraded) is dropped and counted, never waited for.
+        Keys are given in prefix order (heads first) and become most recent
+        heads last, so tails are evicted first.
         """
+        with self._files_in_use() as usable:
+            if usable:
+                return self._write_payloads(payloads)
+        self.stats.puts_dropped += len(payloads)
+        return [False] * len(payloads)
+
+    def _write_payloads(self, payloads: Sequence[Payload]) -> list[bool]:
         stored = [False] * len(payloads)
+        # heads get the higher sequence numbers: a restart, which orders the
+        # index by sequence, keeps them more recent than their tails
+        last_sequence = self._reserve_sequences(len(payloads))
         planned: list[tuple[int, Entry, _Transfer]] = []
         evicted: list[CacheEngineKey] = []
         seen: set[bytes] = set()
@@ -568,7 +753,7 @@ class Tier:
                 fmt=payload.fmt,
                 payload_size=size,
                 payload_crc=zlib.crc32(payload.view),
-                sequence=self._next_sequence(),
+                sequence=last_sequence - i,
                 created_ns=time.time_ns(),
             )
             transfer = self._plan_transfer(
@@ -619,20 +804,28 @@ class Tier:
         per_record: Sequence[tuple[int, Entry, _Transfer]] | None = None,
     ) -> list[bool]:
         """Write a batch (and fdatasync if configured); success per record, or
-        per request when ``per_record`` is None."""
-        results = iter(self.engine.write(requests))
+        per request when ``per_record`` is None. A failed fdatasync fails the
+        whole batch: nothing unsynced is acknowledged."""
+        results = self._submit(requests, write=True).result()
+        failure = self._first_error(requests, results)
         written = [n >= len(r.buffer) for r, n in zip(requests, results, strict=True)]
-        if self.fsync:
-            for fd in self._fds:
-                os.fdatasync(fd)
+        if self.fsync and any(written):
+            try:
+                for fd in self._fds:
+                    os.fdatasync(fd)
+            except OSError as exc:
+                failure = ("fdatasync of its files", exc.errno or errno.EIO)
+                written = [False] * len(written)
+        self._note_io(failure)
         if per_record is None:
             return written
         flags = iter(written)
         return [all([next(flags) for _ in t.requests]) for _, _, t in per_record]
 
-    def _next_sequence(self) -> int:
+    def _reserve_sequences(self, count: int) -> int:
+        """Take ``count`` sequence numbers; returns the highest."""
         with self._lock:
-            self._sequence += 1
+            self._sequence += count
             return self._sequence
 
     def _take_slot(self, evicted: list[CacheEngineKey]) -> int | None:
@@ -655,6 +848,8 @@ class Tier:
         """The keys that storing ``count`` more chunks would evict now, in
         eviction order (for demotion to a lower tier before they go)."""
         with self._lock:
+            if self.degraded is not None:
+                return []
             spare = len(self._free) + self.max_slots - self._allocated_slots
             need = count - spare
             if need <= 0:
@@ -679,6 +874,18 @@ class Tier:
                 count * HEADER_SIZE,
             )
         except OSError as exc:
+            # give back what the failed attempt got: the files then hold
+            # exactly the slots that used_bytes counts
+            with contextlib.suppress(OSError):
+                for fd in self._fds[: self._header_file]:
+                    os.ftruncate(fd, first * per_device)
+                os.ftruncate(
+                    self._fds[self._header_file], Geometry.header_offset(first)
+                )
+            if exc.errno not in _FULL_ERRNOS:
+                # a failing device, not a full one: a dropped put, counted
+                self.stats.io_errors += 1
+                return None
             logger.warning(
                 "tier %s: cannot grow past %d slots (%s); it stays at that size",
                 self.name,
@@ -691,14 +898,175 @@ class Tier:
         self._free.extend(range(first + count - 1, first, -1))
         return first
 
+    # ----------------------------------------------------------------- health
+
+    def _submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
+        """The engine's future for a batch; one already failed with EIO when
+        the engine refuses it (closed, out of resources): I/O never raises."""
+        try:
+            return self.engine.submit(requests, write)
+        except Exception as exc:
+            logger.debug("tier %s: engine refused a batch: %s", self.name, exc)
+            failed: Future[list[int]] = Future()
+            failed.set_result([-errno.EIO] * len(requests))
+            return failed
+
+    @contextlib.contextmanager
+    def _files_in_use(self) -> Iterator[bool]:
+        """Wrap an operation that does I/O; it yields False (skip it: a miss
+        or a drop) while the tier is degraded. Every PROBE_S the tier checks
+        that its files are still the ones at its paths."""
+        with self._lock:
+            now = time.monotonic()
+            check = self.degraded is None and not self._closed
+            check = check and now >= self._next_check
+            if check:
+                self._next_check = now + PROBE_S
+        if check and (gone := self._missing_file()) is not None:
+            with self._lock:
+                self._degrade_locked(f"{gone} was removed or replaced")
+        with self._lock:
+            usable = self.degraded is None and not self._closed
+            self._busy += usable
+        try:
+            yield usable
+        finally:
+            if usable:
+                with self._lock:
+                    self._busy -= 1
+
+    def _first_error(
+        self, requests: Sequence[IORequest], results: Sequence[int]
+    ) -> tuple[str, int] | None:
+        """(file name, errno) of the first failed request of a batch, if any."""
+        return next(
+            (
+                (self._names[r.file], -n)
+                for r, n in zip(requests, results, strict=True)
+                if n < 0
+            ),
+            None,
+        )
+
+    def _missing_file(self) -> str | None:
+        """The first of the tier's files that is no longer at its path."""
+        if not self._fds:
+            return self._names[0]
+        for name, fd in zip(self._names, self._fds, strict=True):
+            try:
+                on_path = os.stat(name, follow_symlinks=False)
+                ours = os.fstat(fd)
+            except OSError:
+                return name
+            if (on_path.st_dev, on_path.st_ino) != (ours.st_dev, ours.st_ino):
+                return name
+        return None
+
+    def _note_io(self, failure: tuple[str, int] | None) -> None:
+        """Count an I/O operation towards the tier's health: ``failure`` is
+        (file, errno) of an error, None for a success."""
+        with self._lock:
+            if failure is None:
+                self._failures = 0
+                return
+            self._failures += 1
+            if self._failures >= DEGRADE_AFTER:
+                name, error = failure
+                self._degrade_locked(
+                    f"{name}: {os.strerror(error)} "
+                    f"({self._failures} failed I/O operations in a row)"
+                )
+
+    def _degrade_locked(self, reason: str) -> None:
+        """Stop using the files (one log line) and start the prober."""
+        if self.degraded is not None or self._closed:
+            return
+        self.degraded = reason
+        self.stats.degradations += 1
+        logger.warning(
+            "tier %s degraded: %s; its reads are misses and its writes are dropped "
+            "until a probe (every %g s) finds it working",
+            self.name,
+            reason,
+            PROBE_S,
+        )
+        self._prober = threading.Thread(
+            target=self._probe_loop,
+            name=f"lmcache-tiered-probe-{self.name}",
+            daemon=True,
+        )
+        self._prober.start()
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(PROBE_S):
+            try:
+                if self._recover():
+                    return
+            except Exception as exc:  # still broken: try again later
+                logger.debug("tier %s: probe failed: %s", self.name, exc)
+
+    def _recover(self) -> bool:
+        """One probe of a degraded tier; True once it serves again.
+
+        The same files answering again keep the index, each record to be
+        CRC-checked on its next read; files replaced at the tier's paths (or a
+        path back after it was removed) are opened afresh, once no operation
+        still uses the old ones.
+        """
+        if self._missing_file() is None:
+            if not self._probe_io():
+                return False
+            how = "its files answer again"
+        else:
+            with self._lock:
+                if self._busy:
+                    return False
+            self._close_files()
+            self.max_slots = self._capacity_slots
+            self._open_files()
+            try:
+                self._load_or_format()
+            except BaseException:
+                self._close_files()
+                raise
+            how = f"reopened its files, {len(self._entries)} chunks found"
+        with self._lock:
+            for entry in self._entries.values():
+                entry.verified = False
+            self.degraded = None
+            self._failures = 0
+            self._next_check = time.monotonic() + PROBE_S
+        logger.warning("tier %s recovered: %s", self.name, how)
+        return True
+
+    def _probe_io(self) -> bool:
+        """Read the superblock and write it back unchanged, and read the first
+        block of every slab: the tier's devices answer again."""
+        block = aligned_buffer(HEADER_SIZE)
+        superblock = IORequest(self._header_file, 0, block)
+        if self._submit([superblock], write=False).result() != [HEADER_SIZE]:
+            return False
+        if Geometry.decode_superblock(block) != self.geometry:
+            return False
+        if self._submit([superblock], write=True).result() != [HEADER_SIZE]:
+            return False
+        slabs = [
+            IORequest(i, 0, aligned_buffer(ALIGN))
+            for i, fd in enumerate(self._fds[: self._header_file])
+            if os.fstat(fd).st_size >= ALIGN
+        ]
+        return all(n == ALIGN for n in self._submit(slabs, write=False).result())
+
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
-        """Release the engine and the files (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.engine.close()
-        for fd in self._fds:
-            os.close(fd)
-        os.close(self._lock_fd)
+        """Stop the prober, release the engine and the files (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            prober = self._prober
+        self._stop.set()
+        if prober is not None:
+            prober.join()
+        self._close_files()

@@ -28,7 +28,7 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered.keys import key_digest
 from lmcache_tiered.metrics import WarmupStats
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.tier import Payload, Tier
 from lmcache_tiered.warmup.base import CacheView, Plan, TierName, WarmupPolicy
 
 logger = logging.getLogger("lmcache_tiered")
@@ -71,6 +71,7 @@ class Promoter:
         policy: WarmupPolicy,
         view: CacheView,
         tiers: dict[TierName, Tier],
+        store: Callable[[list[Payload]], list[bool]],
         hot: LocalCPUBackend | None,
         bandwidth_bytes_s: float | None,
         hot_budget_bytes: int,
@@ -79,6 +80,7 @@ class Promoter:
         self.policy = policy
         self.view = view
         self.tiers = tiers
+        self.store = store
         self.hot = hot
         self.bandwidth = bandwidth_bytes_s
         self.hot_budget = hot_budget_bytes
@@ -252,7 +254,7 @@ class Promoter:
         if warm is None or cold is None:
             return
         payloads = [p for p in cold.read_payloads(keys) if p is not None]
-        stored = warm.write_payloads(payloads)
+        stored = self.store(payloads)  # demotes what it evicts: nothing is lost
         moved = sum(len(p.view) for p, ok in zip(payloads, stored, strict=True) if ok)
         self.stats.bytes_promoted_warm += moved
         self._spent(moved)
