@@ -17,6 +17,9 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "bench": "lmcache_tiered.bench.replay",
     "diskbench": "lmcache_tiered.bench.diskbench",
+    "inspect": "lmcache_tiered.ops.inspect",
+    "fsck": "lmcache_tiered.ops.fsck",
+    "warmup": "lmcache_tiered.ops.warmup",
 }
 
 

@@ -1,0 +1,119 @@
+"""``lmcache-tiered fsck PATHS [--repair]``: check every record of a tier.
+
+Each header is decoded as a live tier does, and each record's payload read
+from the slabs and checked against its CRC32. Problems are listed one per
+line. ``--repair`` zeroes the header of every bad record (a live tier then
+sees a free slot; a stale older copy of the same key, if good, becomes the
+one served) and cuts a truncated header file to whole blocks. It takes the
+tier's lock and refuses while a live process holds it; without ``--repair``
+the files are only read.
+
+Exit status: 0 clean, 1 problems found (repaired or not), 2 could not check
+(bad arguments, missing files, tier in use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from lmcache_tiered.keys import key_text
+from lmcache_tiered.layout import HEADER_SIZE, CorruptRecord
+from lmcache_tiered.ops.records import (
+    Progress,
+    TierFiles,
+    ToolError,
+    lock_holder,
+    newest,
+    owners,
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "fsck",
+        help="verify every record's checksums; --repair drops bad ones",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "paths", nargs="+", help="the tier's directories, in tiered.<tier>.paths order"
+    )
+    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+    parser.add_argument(
+        "--repair", action="store_true", help="drop bad records (needs the lock)"
+    )
+    parser.add_argument(
+        "--progress", action="store_true", help="progress bar even when not a tty"
+    )
+    parser.set_defaults(func=run)
+
+
+def check(files: TierFiles, show_progress: bool) -> list[tuple[int | None, str]]:
+    """(slot, problem) for everything wrong; slot None for the whole file.
+    The payload reads, the long part, move a progress bar on stderr."""
+    if files.geometry is None:
+        return [
+            (None, "superblock unreadable: a tier opening these files starts empty")
+        ]
+    problems: list[tuple[int | None, str]] = []
+    if files.cut_tail:
+        problems.append((None, "header file ends inside a header (truncated)"))
+    slots = list(files.scan())
+    problems += [(s.index, s.problem or "") for s in slots if s.header is None]
+    live, _ = newest(slots)
+    progress = Progress(len(live), f"fsck {files.owner}", force=show_progress)
+    for done, slot in enumerate(live.values(), 1):
+        assert slot.header is not None
+        try:
+            files.read_payload(slot.index, slot.header)
+        except CorruptRecord as exc:
+            problems.append((slot.index, f"{exc} ({key_text(slot.header.key)})"))
+        progress.update(done)
+    progress.finish()
+    return sorted(problems, key=lambda p: -1 if p[0] is None else p[0])
+
+
+def repair(files: TierFiles, problems: list[tuple[int | None, str]]) -> int:
+    """Drop the bad records, cut a torn header block, make it durable; how
+    many problems that fixed (an unreadable superblock is left to the tier,
+    which starts such files empty)."""
+    bad = [slot for slot, _ in problems if slot is not None]
+    for slot in bad:
+        files.drop(slot)
+    if files.cut_tail:
+        os.ftruncate(files.header_fd, files.header_bytes // HEADER_SIZE * HEADER_SIZE)
+    os.fsync(files.header_fd)
+    return len(bad) + files.cut_tail
+
+
+def run(args: argparse.Namespace) -> int:
+    found = 0
+    try:
+        names = owners(args.paths[0], args.owner)
+        for owner in names:
+            with TierFiles(args.paths, owner, writable=args.repair) as files:
+                if args.repair:
+                    files.lock()
+                elif holder := lock_holder(files.lock_name):
+                    print(
+                        f"{owner}: in use by pid {holder}: a record rewritten "
+                        "during the check may show as a problem",
+                        file=sys.stderr,
+                    )
+                problems = check(files, args.progress)
+                for slot, problem in problems:
+                    where = "file" if slot is None else f"slot {slot}"
+                    print(f"{files.header_name}: {where}: {problem}")
+                fixed = repair(files, problems) if problems and args.repair else 0
+                print(
+                    f"{owner}: {len(problems)} problem(s)"
+                    + (f", {fixed} repaired" if args.repair else "")
+                )
+                found += len(problems)
+    except ToolError as exc:
+        print(f"lmcache-tiered fsck: {exc}", file=sys.stderr)
+        return 2
+    return 1 if found else 0

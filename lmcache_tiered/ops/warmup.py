@@ -1,0 +1,236 @@
+"""``lmcache-tiered warmup``: pre-load a known hot set before traffic starts.
+
+Two modes, for the two moments an operator has:
+
+``--keys FILE --from PATHS --to PATHS`` (server stopped)
+    Copy the listed chunks from one tier's files to another's: for instance
+    system prompts from a shared cold tier to a new node's local NVMe, so the
+    first requests read them from the fast tier. FILE holds one key per line
+    as ``inspect --keys`` prints them (blank lines and ``#`` comments
+    skipped); keys listed first are made the most recent, so they are the
+    last to be evicted if the set does not fit. Every record is CRC-checked
+    before it is copied. The target is opened as a live tier opens it: its
+    lock is taken (so this refuses to run beside a server using it) and its
+    layout is kept: a target formatted with another stripe is refused, never
+    wiped. Give ``--stripe-kb`` and ``--capacity-gb`` as the server sets
+    ``tiered.stripe_kb`` and its per-worker share of
+    ``tiered.<tier>.capacity_gb``, and run as the server's user.
+
+``--trace FILE --hint-url URL`` (server running, before traffic is routed)
+    POST each line of FILE, a hint body ``{"token_ids": [...], "deadline_s":
+    ...}``, to the server's hint endpoint (``tiered.warmup.hint_port`` with
+    ``tiered.warmup.policy: hinted``). The server promotes the cached prefix of
+    each into LMCache's CPU tier, in the background and within its warm-up
+    budget: only chunks already on its tiers, nothing is computed.
+
+Exit status: 0 all pre-loaded (or all hints accepted), 1 some were not,
+2 could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache_tiered.config import GIB, ConfigError, TieredConfig
+from lmcache_tiered.keys import StoreKey, key_digest, key_from_string
+from lmcache_tiered.layout import HEADER_SIZE, CorruptRecord, Geometry, align_up
+from lmcache_tiered.ops.records import Slot, TierFiles, ToolError, newest, owners
+from lmcache_tiered.tier import Payload, Tier
+from lmcache_tiered.warmup.hints import send_hint
+
+#: records copied per write batch
+_BATCH = 32
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "warmup",
+        help="pre-load a hot set: copy keys between tiers, or hint a live server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--keys", help="file of keys to copy (offline)")
+    what.add_argument("--trace", help="file of JSON hint bodies to send (live)")
+    parser.add_argument("--from", dest="source", nargs="+", help="source tier paths")
+    parser.add_argument("--to", dest="target", nargs="+", help="target tier paths")
+    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+    parser.add_argument("--stripe-kb", type=int, default=1024, help="target stripe")
+    parser.add_argument(
+        "--capacity-gb", type=float, default=100.0, help="target cap per owner"
+    )
+    parser.add_argument(
+        "--io-engine", default="auto", choices=["auto", "uring", "threads"]
+    )
+    parser.add_argument("--hint-url", help="the server's hint endpoint (with --trace)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.trace:
+            if not args.hint_url:
+                raise ToolError("--trace needs --hint-url (the server's /hint)")
+            return send_trace(args.trace, args.hint_url)
+        if not args.source or not args.target:
+            raise ToolError("--keys needs --from and --to (tier paths)")
+        return copy_keys(args)
+    except ToolError as exc:
+        print(f"lmcache-tiered warmup: {exc}", file=sys.stderr)
+        return 2
+
+
+# ------------------------------------------------------------------ hints
+
+
+def send_trace(path: str, url: str) -> int:
+    """POST every hint of ``path`` to ``url``; 1 if any was refused."""
+    sent = refused = 0
+    for number, line in _lines(path):
+        try:
+            hint = json.loads(line)
+            token_ids = hint["token_ids"]
+            deadline_s = hint.get("deadline_s")
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise ToolError(
+                f'{path}:{number}: expected {{"token_ids": [...]}}, got {line[:60]!r}'
+            ) from None
+        if send_hint(url, token_ids, deadline_s, timeout=5.0):
+            sent += 1
+        else:
+            refused += 1
+    print(f"{sent} hint(s) accepted by {url}, {refused} refused or undelivered")
+    return 1 if refused else 0
+
+
+# ------------------------------------------------------------------- keys
+
+
+def copy_keys(args: argparse.Namespace) -> int:
+    """Copy the listed keys, owner by owner; 1 if any is not in the target."""
+    wanted = {key_digest(k): k for k in _read_keys(args.keys)}
+    loaded: set[bytes] = set()
+    names = owners(args.source[0], args.owner)
+    for owner in names:
+        with TierFiles(args.source, owner) as source:
+            if source.geometry is None:
+                raise ToolError(f"{source.header_name}: superblock unreadable")
+            live, _ = newest(list(source.scan()))
+            mine = [k for d, k in wanted.items() if d in live]
+            if mine:
+                loaded |= _copy_owner(args, source, live, mine)
+    missing = len(wanted) - len(loaded)
+    print(f"{len(loaded)} of {len(wanted)} key(s) in the target, {missing} not")
+    return 1 if missing else 0
+
+
+def _copy_owner(
+    args: argparse.Namespace,
+    source: TierFiles,
+    live: dict[bytes, Slot],
+    keys: Sequence[StoreKey],
+) -> set[bytes]:
+    """Copy ``keys`` (file order) into the target's files of the same owner;
+    the digests the target holds afterwards."""
+    assert source.geometry is not None
+    target = _open_target(args, source.owner, source.geometry)
+    copied = present = bad = dropped = 0
+    try:
+        order = list(reversed(keys))
+        for start in range(0, len(order), _BATCH):
+            payloads = []
+            for key in reversed(order[start : start + _BATCH]):
+                if target.header(key) is not None:
+                    present += 1
+                    continue
+                slot = live[key_digest(key)]
+                header = slot.header
+                assert header is not None
+                try:
+                    view = source.read_payload(slot.index, header)
+                except CorruptRecord as exc:
+                    print(f"{source.header_name}: slot {slot.index}: {exc}")
+                    bad += 1
+                    continue
+                payloads.append(
+                    Payload(
+                        header.key, header.shape, header.dtype, header.fmt, view, True
+                    )
+                )
+            stored = target.write_payloads(payloads)
+            copied += sum(stored)
+            dropped += stored.count(False)
+        held = {key_digest(k) for k in keys if target.header(k) is not None}
+        print(
+            f"{source.owner}: {copied} copied, {present} already there, {bad} bad "
+            f"in the source, {dropped} dropped, {target.stats.evictions} evicted"
+        )
+        return held
+    finally:
+        target.close()
+
+
+def _open_target(args: argparse.Namespace, owner: str, source: Geometry) -> Tier:
+    """The target tier as a live one would open it, never reformatted."""
+    recorded = _recorded_geometry(os.path.join(args.target[0], f"{owner}.hdr"))
+    max_payload = (recorded or source).max_payload
+    extra = {
+        "tiered.warm.paths": args.target,
+        "tiered.stripe_kb": args.stripe_kb,
+        "tiered.warm.capacity_gb": args.capacity_gb,
+        "tiered.io_engine": args.io_engine,
+        "tiered.fsync": True,
+    }
+    try:
+        config = TieredConfig.from_extra_config(extra)
+        planned = Geometry.plan(
+            len(args.target), config.stripe_bytes, align_up(max_payload)
+        )
+        if recorded is not None and planned != recorded:
+            raise ToolError(
+                f"{args.target[0]}: {owner} was formatted with {recorded}, this "
+                f"would be {planned}: pass the server's --stripe-kb"
+            )
+        return Tier(
+            config.warm,
+            config,
+            owner=owner,
+            max_payload=max_payload,
+            capacity_bytes=int(args.capacity_gb * GIB),
+        )
+    except ConfigError as exc:
+        raise ToolError(str(exc)) from None
+
+
+def _recorded_geometry(header_name: str) -> Geometry | None:
+    try:
+        with open(header_name, "rb") as f:
+            return Geometry.decode_superblock(f.read(HEADER_SIZE))
+    except FileNotFoundError:
+        return None
+
+
+def _read_keys(path: str) -> list[StoreKey]:
+    keys = []
+    for number, line in _lines(path):
+        try:
+            keys.append(key_from_string(line))
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ToolError(f"{path}:{number}: not a key: {line[:80]!r}") from None
+    return keys
+
+
+def _lines(path: str) -> list[tuple[int, str]]:
+    """(line number, text) of the non-blank, non-comment lines of ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ToolError(f"{path}: {exc}") from None
+    stripped = ((n, line.strip()) for n, line in enumerate(text, 1))
+    return [(n, line) for n, line in stripped if line and not line.startswith("#")]
