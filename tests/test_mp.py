@@ -384,6 +384,8 @@ def test_locked_chunks_survive_eviction_until_unlocked(
     assert caller.lookup(first) == [0, 1]  # 2 and 3 were evicted; 0, 1 locked twice
     adapter.submit_unlock(first[:2])
     adapter.submit_unlock(first[:2])
+    # unlocks run on the lookup thread, stores on their own: wait for them
+    assert caller.lookup([]) == []
     later = [okey(i) for i in range(12, 16)]
     assert caller.store(later, [memory_obj() for _ in later])
     assert caller.lookup(first) == []
