@@ -356,9 +356,12 @@ class TieredCache:
         cold = self.tiers.get("cold")
         through = self.settings.cold_write_through
         with self._store_lock:
+            victims = None
             if cold is not None and not through:
-                self._demote(self.warm.victims(len(payloads)), cold)
-            stored = self.warm.write_payloads(payloads)
+                victims = self.warm.victims(len(payloads))
+                self._demote(victims, cold)
+            # a victim read (touched) meanwhile is kept, never a chunk not in cold
+            stored = self.warm.write_payloads(payloads, evict_only=victims)
             if cold is not None:
                 # through: every chunk goes below too; back: what warm refused
                 below = [i for i, ok in enumerate(stored) if through or not ok]

@@ -27,7 +27,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, as_completed
 from dataclasses import dataclass, field
 
@@ -701,7 +701,11 @@ class Tier:
         """Store LMCache MemoryObjs; see :meth:`write_payloads`."""
         return self.write_payloads([Payload.of(key, obj) for key, obj in items])
 
-    def write_payloads(self, payloads: Sequence[Payload]) -> list[bool]:
+    def write_payloads(
+        self,
+        payloads: Sequence[Payload],
+        evict_only: Collection[CacheEngineKey] | None = None,
+    ) -> list[bool]:
         """Store a batch; True for each key that is stored when this returns.
 
         Payloads go first, then the headers that make them visible, so a crash
@@ -709,15 +713,20 @@ class Tier:
         get a slot (the tier is full of pinned or in-use records, its disk is
         full, or it is degraded) is dropped and counted, never waited for.
         Keys are given in prefix order (heads first) and become most recent
-        heads last, so tails are evicted first.
+        heads last, so tails are evicted first. With ``evict_only`` (keys
+        already copied elsewhere, see :meth:`victims`) no other record is
+        evicted: a chunk that needs more room is refused instead.
         """
+        allowed = None if evict_only is None else {key_digest(k) for k in evict_only}
         with self._files_in_use() as usable:
             if usable:
-                return self._write_payloads(payloads)
+                return self._write_payloads(payloads, allowed)
         self.stats.puts_dropped += len(payloads)
         return [False] * len(payloads)
 
-    def _write_payloads(self, payloads: Sequence[Payload]) -> list[bool]:
+    def _write_payloads(
+        self, payloads: Sequence[Payload], allowed: set[bytes] | None
+    ) -> list[bool]:
         stored = [False] * len(payloads)
         # heads get the higher sequence numbers: a restart, which orders the
         # index by sequence, keeps them more recent than their tails
@@ -742,7 +751,7 @@ class Tier:
                 )
                 self.stats.puts_dropped += 1
                 continue
-            slot = self._take_slot(evicted)
+            slot = self._take_slot(evicted, allowed)
             if slot is None:
                 self.stats.puts_dropped += 1
                 continue
@@ -828,15 +837,19 @@ class Tier:
             self._sequence += count
             return self._sequence
 
-    def _take_slot(self, evicted: list[CacheEngineKey]) -> int | None:
+    def _take_slot(
+        self, evicted: list[CacheEngineKey], allowed: set[bytes] | None
+    ) -> int | None:
         """A free slot: a released one, a new one, or the LRU victim's (whose
-        key is appended to ``evicted``)."""
+        key is appended to ``evicted``); victims only from ``allowed`` if set."""
         with self._lock:
             if self._free:
                 return self._free.pop()
             if self._allocated_slots < self.max_slots:
                 return self._grow()
             for digest, entry in self._entries.items():
+                if allowed is not None and digest not in allowed:
+                    continue
                 if entry.pins == 0 and entry.readers == 0:
                     del self._entries[digest]
                     self.stats.evictions += 1

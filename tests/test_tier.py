@@ -15,7 +15,7 @@ from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAlloc
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.tier import Payload, Tier
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16: one slot of the test tier
 TierFactory = Callable[..., Tier]
@@ -295,3 +295,22 @@ def test_direct_io_off_opens_buffered(
     with open(f"/proc/self/fdinfo/{tier._fds[0]}") as f:
         flags = int(next(line for line in f if line.startswith("flags")).split()[1], 8)
     assert not flags & os.O_DIRECT
+
+
+def test_evict_only_spares_records_not_copied_elsewhere(
+    tier_factory: TierFactory, allocator: MixedMemoryAllocator
+) -> None:
+    """The writer demotes warm's victims, then writes with evict_only=victims:
+    a read that touches a victim meanwhile cannot make the write evict a
+    record never copied below; with nothing evictable the chunk is refused."""
+    tier = tier_factory(capacity_bytes=2 * ((64 << 10) + 4096))
+    tier.write([(key(0), make_obj(allocator, 0)), (key(1), make_obj(allocator, 1))])
+    victims = tier.victims(1)
+    assert victims == [key(1)]  # tails first: key 1 is the least recent
+    tier.contains(key(1))  # a demand read touches it: key 0 is now the LRU
+    stored = tier.write_payloads([Payload.of(key(2), make_obj(allocator, 2))], victims)
+    assert stored == [True]
+    assert tier.contains(key(0)) and not tier.contains(key(1))
+    assert tier.write_payloads([Payload.of(key(3), make_obj(allocator, 3))], []) == [
+        False
+    ]
