@@ -28,7 +28,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import Future, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +55,12 @@ from lmcache_tiered.layout import (
 from lmcache_tiered.metrics import LatencyHistogram
 
 logger = logging.getLogger("lmcache_tiered")
+
+#: Checks records as they land (zlib's CRC32 releases the GIL): shared by all
+#: tiers of the process, sized to the cores, since it is CPU work.
+_VERIFIERS = ThreadPoolExecutor(
+    max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="lmcache-tiered-crc"
+)
 
 #: Allocates the MemoryObj a record is read into; None when memory is short.
 Allocator = Callable[[RecordHeader], MemoryObj | None]
@@ -562,7 +568,8 @@ class Tier:
         device failed; the record stays).
 
         One engine batch per record, all in flight at once; each record is
-        checked as soon as its own I/O lands, while the others still read.
+        checked as soon as its own I/O lands, while the others still read, on
+        a small pool: one core of CRC32 is slower than the disks.
         """
         transfers = [
             None
@@ -577,12 +584,18 @@ class Tier:
             if t is not None
         }
         outcomes: list[bool | None] = [None] * len(entries)
+        checks: dict[Future[bool | None], int] = {}
         for future in as_completed(pending):
             self.stats.read_latency.observe(time.perf_counter() - started)
             i = pending[future]
             entry, transfer, view = entries[i], transfers[i], views[i]
             assert entry is not None and transfer is not None and view is not None
-            outcomes[i] = self._finish_read(entry, transfer, future.result(), view)
+            check = _VERIFIERS.submit(
+                self._finish_read, entry, transfer, future.result(), view
+            )
+            checks[check] = i
+        for check, i in checks.items():
+            outcomes[i] = check.result()
         self._end_reads(entries, outcomes)
         return outcomes
 
