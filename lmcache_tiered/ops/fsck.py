@@ -25,6 +25,7 @@ from lmcache_tiered.ops.records import (
     Progress,
     TierFiles,
     ToolError,
+    add_tier_arguments,
     lock_holder,
     newest,
     owners,
@@ -38,10 +39,7 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "paths", nargs="+", help="the tier's directories, in tiered.<tier>.paths order"
-    )
-    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+    add_tier_arguments(parser)
     parser.add_argument(
         "--repair", action="store_true", help="drop bad records (needs the lock)"
     )

@@ -21,6 +21,7 @@ from lmcache_tiered.keys import key_text
 from lmcache_tiered.ops.records import (
     TierFiles,
     ToolError,
+    add_tier_arguments,
     group_of,
     lock_holder,
     newest,
@@ -37,10 +38,7 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "paths", nargs="+", help="the tier's directories, in tiered.<tier>.paths order"
-    )
-    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+    add_tier_arguments(parser)
     parser.add_argument(
         "--top", type=int, default=10, help="groups to list (default 10)"
     )
