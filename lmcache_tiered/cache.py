@@ -41,6 +41,7 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
 from lmcache_tiered.keys import key_digest
+from lmcache_tiered.shared import SharedCold
 from lmcache_tiered.tier import Allocator, Payload, Tier
 from lmcache_tiered.warmup import load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
@@ -103,13 +104,17 @@ class TieredCache:
                 tier = Tier(
                     tier_settings,
                     settings,
-                    owner=owner,
+                    # several hosts may share the cold tier: name files per host
+                    owner=owner if name == "warm" else f"{owner}-{settings.host_id}",
                     max_payload=max_payload,
                     # the cap is for the host: each local worker gets a share
                     capacity_bytes=tier_settings.capacity_bytes // local_workers,
                 )
                 self.tiers[name] = tier
                 tier.on_evict = self._evicted_from(name)
+            self.shared = SharedCold(
+                self.tiers.get("cold"), settings, max_payload=max_payload
+            )
             self.chains = ChainIndex()
             self.policy = self._load_policy()
         except BaseException:
@@ -177,8 +182,12 @@ class TieredCache:
         return self.tier_of(key)
 
     def tier_of(self, key: CacheEngineKey) -> TierName | None:
-        """The highest of our tiers (not hot) that holds ``key``."""
-        return next((n for n, t in self.tiers.items() if t.header(key)), None)
+        """The highest of our tiers (not hot) that holds ``key``; chunks other
+        hosts stored in a shared cold tier count as cold."""
+        found = next((n for n, t in self.tiers.items() if t.header(key)), None)
+        if found is None and self.shared.find(key) is not None:
+            return "cold"
+        return found
 
     def continuation(self, key: CacheEngineKey, limit: int) -> list[CacheEngineKey]:
         return self.chains.continuation(key, limit)
@@ -247,7 +256,7 @@ class TieredCache:
         missing. Cold hits are queued for a copy to warm."""
         objs: list[MemoryObj | None] = [None] * len(keys)
         with self.promoter.demand(keys):
-            for name, tier in self.tiers.items():
+            for name, tier in self._read_order():
                 missing = [i for i, obj in enumerate(objs) if obj is None]
                 if not missing:
                     break
@@ -260,6 +269,10 @@ class TieredCache:
                 if name == "cold" and hits and "warm" in self.tiers:
                     self._enqueue("warm", hits, None)
         return objs
+
+    def _read_order(self) -> list[tuple[TierName, Tier]]:
+        """Our tiers, then the other hosts' files in a shared cold tier."""
+        return [*self.tiers.items(), *(("cold", t) for t in self.shared.tiers())]
 
     # ----------------------------------------------------------------- writes
 
@@ -422,6 +435,7 @@ class TieredCache:
         self.promoter.close()
         self._queue.put(None)
         self._writer.join()
+        self.shared.close()
         for tier in self.tiers.values():
             tier.close()
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
+import socket
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -121,6 +123,15 @@ def _fraction(key: str, value: Any) -> float:
     return number
 
 
+def _parse_host_id(key: str, value: Any) -> str:
+    text = str(value).strip()
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", text):
+        raise ConfigError(
+            f"{key}: expected 1-64 letters, digits, '.', '_' or '-', got {value!r}"
+        )
+    return text
+
+
 def _parse_mode(key: str, value: Any) -> int:
     """Octal permission bits: "0660" (string) or an int as YAML may give it."""
     try:
@@ -179,6 +190,11 @@ SETTINGS: dict[str, Setting] = {
         _parse_bool,
         False,
         "fdatasync each write batch before it is acknowledged (power-loss safe)",
+    ),
+    "host_id": Setting(
+        _parse_host_id,
+        None,
+        "this host's name in a shared cold tier's file names (default: hostname)",
     ),
     "cold.write": Setting(
         _choice("back", "through"),
@@ -241,6 +257,8 @@ class TieredConfig:
     fsync: bool = False
     file_mode: int = 0o600
     cold_write_through: bool = False
+    #: names this host's files in a cold tier that several hosts share
+    host_id: str = field(default_factory=socket.gethostname)
     admit_after_hits: int = 0
     warmup_policy: str = DEFAULT_POLICY
     warmup_bandwidth_bytes_s: float | None = None
@@ -312,6 +330,8 @@ class TieredConfig:
             fsync=values["fsync"],
             file_mode=values["file_mode"],
             cold_write_through=values["cold.write"] == "through",
+            host_id=values["host_id"]
+            or _parse_host_id("hostname", socket.gethostname()),
             admit_after_hits=values["warm.admit_after_hits"],
             warmup_policy=values["warmup.policy"],
             warmup_bandwidth_bytes_s=None

@@ -173,8 +173,13 @@ class Tier:
         owner: str,
         max_payload: int,
         capacity_bytes: int,
+        read_only: bool = False,
     ) -> None:
         self.name = settings.name
+        #: another process's files, seen through a shared file system: never
+        #: written, locked or formatted here; every read is CRC-checked, since
+        #: the owner may be rewriting a slot meanwhile (see :meth:`refresh`)
+        self.read_only = read_only
         self.paths = settings.paths
         self.verify_reads = config.verify_reads
         self.fsync = config.fsync
@@ -236,6 +241,11 @@ class Tier:
         The lock lives on its own descriptor: an io_uring ring keeps its
         registered files open for a while after it is torn down.
         """
+        if self.read_only:
+            self._fds = [self._open(name) for name in self._names]
+            self._lock_fd: int | None = None
+            self.engine = make_engine(self._engine_kind, self._fds, self._queue_depth)
+            return
         lock_fd = os.open(
             self._lock_name,
             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -257,12 +267,14 @@ class Tier:
             for fd in [*fds, lock_fd]:
                 os.close(fd)
             raise
-        self._lock_fd, self._fds, self.engine = lock_fd, fds, engine
+        self._lock_fd = lock_fd
+        self._fds, self.engine = fds, engine
 
     def _open(self, name: str) -> int:
         """Open one data file: never through a symbolic link, with the
         configured mode whatever the umask or an earlier run left."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC
+        flags |= os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT
         try:
             fd = self._open_direct(name, flags)
         except OSError as exc:
@@ -273,6 +285,8 @@ class Tier:
                 "are never opened through links: remove it"
             ) from None
         info = os.fstat(fd)
+        if self.read_only:
+            return fd
         if info.st_uid != os.geteuid():
             logger.warning(
                 "tier %s: %s is owned by uid %d, not by this process; another user "
@@ -306,8 +320,10 @@ class Tier:
         if not self._fds:
             return
         self.engine.close()
-        for fd in [*self._fds, self._lock_fd]:
+        for fd in self._fds:
             os.close(fd)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
         self._fds = []
 
     def _load_or_format(self) -> None:
@@ -326,6 +342,10 @@ class Tier:
                 on_disk = Geometry.decode_superblock(block)
         if on_disk == self.geometry:
             self._scan_headers(size)
+            return
+        if self.read_only:
+            with self._lock:
+                self._entries = OrderedDict()
             return
         if size:
             logger.warning(
@@ -396,8 +416,12 @@ class Tier:
             self._allocated_slots = slots
             self._free = sorted(set(range(slots)) - used, reverse=True)
             self._sequence = max((h.sequence for _, h in found), default=0)
-        logger.info(
-            "tier %s: recovered %d chunks from %s", self.name, len(used), self.paths
+        logger.log(
+            logging.DEBUG if self.read_only else logging.INFO,
+            "tier %s: recovered %d chunks from %s",
+            self.name,
+            len(used),
+            self._names[self._header_file],
         )
 
     def _within_slabs(
@@ -643,9 +667,8 @@ class Tier:
             return False
         for bounce, start, length in transfer.bounces:
             view[start : start + length] = bounce[:length]
-        if (self.verify_reads or not entry.verified) and zlib.crc32(
-            view[: header.payload_size]
-        ) != header.payload_crc:
+        check = self.verify_reads or self.read_only or not entry.verified
+        if check and zlib.crc32(view[: header.payload_size]) != header.payload_crc:
             self.stats.corrupt += 1
             logger.warning(
                 "tier %s: chunk %s failed its checksum; dropped",
@@ -730,6 +753,8 @@ class Tier:
         already copied elsewhere, see :meth:`victims`) no other record is
         evicted: a chunk that needs more room is refused instead.
         """
+        if self.read_only:
+            return [False] * len(payloads)
         allowed = None if evict_only is None else {key_digest(k) for k in evict_only}
         with self._files_in_use() as usable:
             if usable:
@@ -1084,6 +1109,18 @@ class Tier:
         return all(n == ALIGN for n in self._submit(slabs, write=False).result())
 
     # ------------------------------------------------------------------ close
+
+    @property
+    def header_path(self) -> str:
+        """The header file: one per owner, so it names the owner's files."""
+        return self._names[self._header_file]
+
+    def refresh(self) -> None:
+        """Re-read a read-only tier's headers: what its owner stored since."""
+        assert self.read_only, "only another process's tier is refreshed"
+        with self._files_in_use() as usable:
+            if usable:
+                self._load_or_format()
 
     def close(self) -> None:
         """Stop the prober, release the engine and the files (idempotent)."""

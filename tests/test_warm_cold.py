@@ -249,3 +249,46 @@ def test_metrics_snapshot_and_prometheus(
     assert 'lmcache_tiered_tier_hits_total{instance="w0",tier="warm"} 2.0' in text
     assert "lmcache_tiered_tier_read_seconds_bucket" in text
     assert 'lmcache_tiered_warmup_plans_total{instance="w0",policy="none"}' in text
+
+
+def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
+    engine_factory: EngineFactory, tmp_path: Path, cold_dir: Path
+) -> None:
+    """Two "hosts" (two engines with their own warm directories and host ids)
+    on one cold directory: B serves what A stored, byte for byte, and never a
+    chunk A rewrote under it (every read of another host's record is
+    CRC-checked)."""
+    engines = []
+    for host in ("host-a", "host-b"):
+        warm = tmp_path / f"warm-{host}"
+        warm.mkdir()
+        extra = plugin_extra_config(
+            [warm],
+            **{"cold.paths": str(cold_dir), "cold.write": "through", "host_id": host},
+        )
+        engines.append(engine_factory(extra, chunk_size=CHUNK))
+    (engine_a, connector_a), (engine_b, connector_b) = engines
+    tokens, kv = store(engine_a, connector_a, 3, seed=31)
+    cache_b = cache_of(engine_b)
+    assert harness.lookup(engine_b, tokens) == 0  # not seen yet
+    cache_b.shared.refresh()  # what its background thread does every 2 s
+    assert harness.lookup(engine_b, tokens) == 3 * CHUNK
+    out, mask = harness.retrieve_tokens(engine_b, tokens, connector=connector_b)
+    assert int(mask.sum()) == 3 * CHUNK and torch.equal(out, kv)
+    # A rewrites a chunk's bytes behind B's back: B's next read is a miss
+    (foreign,) = cache_b.shared.tiers()
+    key = harness.chunk_keys(engine_b, tokens)[0]
+    entry = foreign._entries[
+        next(d for d, e in foreign._entries.items() if e.header.key == key)
+    ]
+    extent = foreign.geometry.extents(entry.slot, entry.header.payload_size)[0]
+    with open(foreign.paths[extent.device] + "/kv-w0-host-a.slab", "r+b") as f:
+        f.seek(extent.offset)
+        f.write(b"\xff" * 16)
+    cache_b.flush()  # B's copies of the chunks it read go to its warm tier
+    harness.clear_cpu_tier(engine_b)
+    for tier in cache_b.tiers.values():
+        tier.remove(key)  # so the chunk can only come from A's files
+    _, mask = harness.retrieve_tokens(engine_b, tokens, connector=connector_b)
+    assert int(mask.sum()) == 0
+    assert foreign.stats.corrupt == 1

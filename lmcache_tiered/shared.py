@@ -1,0 +1,94 @@
+"""A cold tier shared by several hosts: each writes its own files, all read all.
+
+Each host's cold files carry its ``tiered.host_id``, so hosts never write the
+same file. Every few seconds :class:`SharedCold` looks for the other hosts'
+header files in the cold tier's first directory and (re)reads them through
+read-only tiers. A chunk another host is still writing is invisible (its
+header comes last), and one it rewrites while we read fails its CRC check,
+which read-only tiers apply to every read: never served half-done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from lmcache.utils import CacheEngineKey
+
+from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.layout import RecordHeader
+from lmcache_tiered.tier import Tier
+
+logger = logging.getLogger("lmcache_tiered")
+
+#: seconds between looks at what the other hosts stored
+REFRESH_S = 2.0
+
+
+class SharedCold:
+    """The other hosts' files in our cold tier's directories, read-only."""
+
+    def __init__(
+        self, own: Tier | None, settings: TieredConfig, *, max_payload: int
+    ) -> None:
+        self._own = own
+        self._settings = settings
+        self._max_payload = max_payload
+        self._foreign: dict[str, Tier] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if own is not None:
+            self.refresh()
+            self._thread = threading.Thread(
+                target=self._run, name="lmcache-tiered-shared", daemon=True
+            )
+            self._thread.start()
+
+    def tiers(self) -> list[Tier]:
+        with self._lock:
+            return list(self._foreign.values())
+
+    def find(self, key: CacheEngineKey) -> RecordHeader | None:
+        return next((h for t in self.tiers() if (h := t.header(key))), None)
+
+    def refresh(self) -> None:
+        """Open the header files that appeared, re-read the known ones."""
+        own, settings = self._own, self._settings
+        assert own is not None and settings.cold is not None
+        ours = os.path.basename(own.header_path)
+        for name in sorted(os.listdir(own.paths[0])):
+            if not name.endswith(".hdr") or name == ours:
+                continue
+            tier = self._foreign.get(name)
+            try:
+                if tier is None:
+                    tier = Tier(
+                        settings.cold,
+                        settings,
+                        owner=name.removesuffix(".hdr"),
+                        max_payload=self._max_payload,
+                        capacity_bytes=settings.cold.capacity_bytes,
+                        read_only=True,
+                    )
+                    with self._lock:
+                        self._foreign[name] = tier
+                else:
+                    tier.refresh()
+            except (OSError, ValueError) as exc:  # its files are half-made or gone
+                logger.debug("shared cold tier: skipping %s: %s", name, exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(REFRESH_S):
+            try:
+                self.refresh()
+            except OSError as exc:
+                logger.warning("shared cold tier: cannot list it: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for tier in self.tiers():
+            tier.close()
