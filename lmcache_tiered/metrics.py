@@ -1,8 +1,9 @@
 """Counters per tier and per warm-up policy: a Python snapshot and Prometheus.
 
-The counters live where the work happens (:class:`TierStats` in each tier,
-:class:`WarmupStats` in the promoter); this module only reads them, so there
-is one source of truth. Prometheus names carry the ``lmcache_tiered_`` prefix.
+The counter classes are defined here and updated where the work happens (a
+:class:`TierStats` in each tier, a :class:`WarmupStats` in the promoter); the
+exported series are derived from their fields, so there is one source of
+truth. Prometheus names carry the ``lmcache_tiered_`` prefix.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import bisect
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prometheus_client.core import (
@@ -36,6 +37,24 @@ class LatencyHistogram:
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(LATENCY_BOUNDS_S, seconds)] += 1
         self.total_s += seconds
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier, read by metrics and benchmarks."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    puts: int = 0
+    puts_dropped: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    io_errors: int = 0
+    #: times the tier went degraded (see lmcache_tiered.tier)
+    degradations: int = 0
+    read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 @dataclass
@@ -63,27 +82,13 @@ class WarmupStats:
         return self.bytes_used / self.bytes_promoted_hot
 
 
-_TIER_COUNTERS = (
-    "hits",
-    "misses",
-    "bytes_read",
-    "bytes_written",
-    "puts",
-    "puts_dropped",
-    "corrupt",
-    "evictions",
-    "io_errors",
-)
-_WARMUP_COUNTERS = (
-    "plans",
-    "keys_planned",
-    "bytes_promoted_hot",
-    "bytes_promoted_warm",
-    "bytes_used",
-    "timely",
-    "late",
-    "cancelled",
-)
+def _counters(stats: type) -> tuple[str, ...]:
+    """The integer fields of a stats dataclass: each one a Prometheus counter."""
+    return tuple(f.name for f in fields(stats) if f.type in (int, "int"))
+
+
+_TIER_COUNTERS = _counters(TierStats)
+_WARMUP_COUNTERS = _counters(WarmupStats)
 
 
 class TieredCollector(Collector):

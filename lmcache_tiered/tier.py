@@ -52,7 +52,7 @@ from lmcache_tiered.layout import (
     RecordHeader,
     align_up,
 )
-from lmcache_tiered.metrics import LatencyHistogram
+from lmcache_tiered.metrics import TierStats
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -92,24 +92,6 @@ class Entry:
     #: Recovered from disk: check the payload CRC on first read even when
     #: ``verify_reads`` is off, since a crash may have torn it.
     verified: bool = True
-
-
-@dataclass(slots=True)
-class TierStats:
-    """Counters of one tier, read by metrics and benchmarks."""
-
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    puts: int = 0
-    puts_dropped: int = 0
-    corrupt: int = 0
-    evictions: int = 0
-    io_errors: int = 0
-    #: times the tier went degraded (see the module docstring)
-    degradations: int = 0
-    read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 @dataclass(slots=True)

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from lmcache_tiered.bench import harness
-from lmcache_tiered.bench.mpbench import drop_page_cache
-from lmcache_tiered.bench.rawio import fio_read_gbps, raw_read_gbps
+from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
 
 logger = logging.getLogger("lmcache_tiered")
 

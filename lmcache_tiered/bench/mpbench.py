@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import select
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from lmcache.v1.memory_management import (
 )
 from lmcache.v1.platform import consume_fd
 
+from lmcache_tiered.bench.rawio import drop_page_cache
 from lmcache_tiered.config import GIB, SETTINGS
 from lmcache_tiered.io import ALIGN, aligned_buffer
 from lmcache_tiered.layout import Geometry
@@ -39,18 +39,6 @@ logger = logging.getLogger("lmcache_tiered")
 #: Model name of the benchmark's keys: its chunks never meet real ones.
 MODEL = "lmcache-tiered/mpbench"
 _WAIT_MS = 60_000
-
-
-def drop_page_cache() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False (logged) if refused."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as exc:
-        logger.warning("cannot drop the page cache (%s); reads may be warm", exc)
-        return False
-    return True
 
 
 def mp_read_gbps(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -21,6 +22,8 @@ from concurrent.futures import Future
 
 from lmcache_tiered.io import ALIGN, IOEngine, IORequest, aligned_buffer, make_engine
 from lmcache_tiered.io.uring import UringEngine
+
+logger = logging.getLogger("lmcache_tiered")
 
 #: Name of the test file created inside a directory given as a path.
 TEST_FILE_NAME = "lmcache-tiered-rawio.bin"
@@ -175,3 +178,15 @@ def fio_read_gbps(paths: list[str], chunk_bytes: int, total_bytes: int) -> float
     # fio may print notes before the JSON document.
     report = json.loads(done.stdout[done.stdout.index("{") :])
     return float(report["jobs"][0]["read"]["bw_bytes"]) / 1e9
+
+
+def drop_page_cache() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False (logged) if refused."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as exc:
+        logger.warning("cannot drop the page cache (%s); reads may be warm", exc)
+        return False
+    return True

@@ -22,6 +22,8 @@ from lmcache.utils import CacheEngineKey
 #: Where a chunk can live: hot = LMCache's CPU tier, warm = local NVMe,
 #: cold = NVMe-oF / shared file system.
 TierName = Literal["hot", "warm", "cold"]
+#: Higher is closer to the GPU; a chunk stored nowhere ranks below cold.
+TIER_RANK: dict[TierName | None, int] = {None: 0, "cold": 1, "warm": 2, "hot": 3}
 
 
 @dataclass(frozen=True, slots=True)

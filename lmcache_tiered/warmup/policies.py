@@ -20,9 +20,14 @@ from typing import Literal
 
 from lmcache.utils import CacheEngineKey
 
-from lmcache_tiered.warmup.base import CacheView, Plan, TierName, WarmupPolicy
+from lmcache_tiered.warmup.base import (
+    TIER_RANK,
+    CacheView,
+    Plan,
+    TierName,
+    WarmupPolicy,
+)
 
-_RANK: dict[TierName, int] = {"cold": 0, "warm": 1, "hot": 2}
 #: planned-key records kept before expired ones are swept (amortised O(1))
 _SWEEP_MIN = 4096
 
@@ -68,11 +73,11 @@ class _Planner(WarmupPolicy):
         now = self.view.now()
         if deadline <= now:
             return []
-        rank = _RANK[target]
+        rank = TIER_RANK[target]
         below = [
             key
             for key in keys
-            if (where := self.view.where(key)) is not None and _RANK[where] < rank
+            if (where := self.view.where(key)) is not None and TIER_RANK[where] < rank
         ]
         chosen = []
         with self._lock:

@@ -29,13 +29,18 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache_tiered.keys import key_digest
 from lmcache_tiered.metrics import WarmupStats
 from lmcache_tiered.tier import Payload, Tier
-from lmcache_tiered.warmup.base import CacheView, Plan, TierName, WarmupPolicy
+from lmcache_tiered.warmup.base import (
+    TIER_RANK,
+    CacheView,
+    Plan,
+    TierName,
+    WarmupPolicy,
+)
 
 logger = logging.getLogger("lmcache_tiered")
 
 #: chunks per unit of warm-up work: a demand read waits for at most one unit
 UNIT_KEYS = 8
-_RANK: dict[TierName | None, int] = {None: 0, "cold": 1, "warm": 2, "hot": 3}
 
 
 class _PromotedObj(TensorMemoryObj):
@@ -223,11 +228,11 @@ class Promoter:
     # ------------------------------------------------------------------ work
 
     def _execute(self, target: str, keys: list[CacheEngineKey]) -> None:
-        wanted = _RANK["hot" if target == "hot" else "warm"]
+        wanted = TIER_RANK["hot" if target == "hot" else "warm"]
         by_tier: dict[TierName, list[CacheEngineKey]] = {}
         for key in keys:
             where = self.view.where(key)
-            if where is None or _RANK[where] >= wanted:
+            if where is None or TIER_RANK[where] >= wanted:
                 self.stats.cancelled += 1
             else:
                 by_tier.setdefault(where, []).append(key)
