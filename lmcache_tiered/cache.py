@@ -112,11 +112,12 @@ class TieredCache:
                 )
                 self.tiers[name] = tier
                 tier.on_evict = self._evicted_from(name)
+            self.chains = ChainIndex()
+            self.policy = self._load_policy()
+            # last: its thread must not outlive a constructor that failed
             self.shared = SharedCold(
                 self.tiers.get("cold"), settings, max_payload=max_payload
             )
-            self.chains = ChainIndex()
-            self.policy = self._load_policy()
         except BaseException:
             for tier in self.tiers.values():
                 tier.close()
@@ -217,15 +218,13 @@ class TieredCache:
         """Length of the prefix of ``keys`` held in warm or cold (pinned on
         request, recency refreshed); the policy sees the whole lookup."""
         hits = 0
+        by_tier: dict[TierName, list[CacheEngineKey]] = {}
         for key in keys:
-            if self.tier_of(key) is None:
+            tier = self.tier_of(key)
+            if tier is None:
                 break
             hits += 1
-        by_tier: dict[TierName, list[CacheEngineKey]] = {}
-        for key in keys[:hits]:
-            tier = self.tier_of(key)
-            if tier is not None:
-                by_tier.setdefault(tier, []).append(key)
+            by_tier.setdefault(tier, []).append(key)
         for tier, tier_keys in by_tier.items():
             self.tiers[tier].touch(tier_keys, pin)
         self.chains.learn(keys)
