@@ -189,3 +189,23 @@ def test_restart_in_a_new_process_serves_the_same_data(device_dirs: list[Path]) 
     out = run("load")
     assert "lookup 768" in out
     assert "retrieved 768 True" in out
+
+
+def test_get_non_blocking_returns_a_future_of_the_chunk(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    engine, connector = engine_factory(plugin_extra_config(device_dirs))
+    backend = tiered(engine)
+    tokens = harness.make_tokens(256, seed=21)
+    kv = harness.make_kv(connector, 256, seed=22)
+    harness.store_tokens(engine, tokens, kv)
+    backend.flush()
+    (key,) = harness.chunk_keys(engine, tokens)
+    future = backend.get_non_blocking(key)
+    assert future is not None
+    obj = future.result(timeout=10)
+    cpu = harness.get_local_cpu_backend(engine)
+    assert cpu is not None and obj is not None
+    assert torch.equal(obj.tensor, cpu.hot_cache[key].tensor)
+    obj.ref_count_down()
+    assert backend.get_non_blocking(harness_key(999)) is None
