@@ -4,11 +4,14 @@ Everything between LMCache's interface and the tiers lives here, so the
 in-process plugin (:mod:`lmcache_tiered.backend`) and the multi-process L2
 adapter (:mod:`lmcache_tiered.mp`) share one implementation.
 
-- Lookups and reads fall through warm -> cold; a cold hit is served directly
-  and copied to warm in the background.
-- Puts are queued to one writer thread that batches them. Before warm evicts,
-  its victims are demoted to cold (``tiered.cold.write: back``), or every put
-  goes to both tiers (``through``).
+- Lookups and reads fall through warm -> cold (then other hosts' files in a
+  shared cold tier); a cold hit is served directly and copied to warm in the
+  background.
+- Puts are queued to one writer thread that batches them (the in-process
+  plugin); the multi-process adapter, which has a store thread of its own,
+  writes synchronously through :meth:`TieredCache.store`. Before warm evicts,
+  its victims are demoted to cold (``tiered.cold.write: back``), or every
+  write goes to both tiers (``through``).
 - The warm-up policy sees every lookup, store, hit, eviction and hint; its
   plans run on the promoter thread, after demand reads.
 
@@ -27,48 +30,85 @@ tier and puts go to the tiers that work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
-from lmcache_tiered.keys import key_digest
+from lmcache_tiered.io import aligned_buffer
+from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.layout import RecordHeader, align_up
 from lmcache_tiered.shared import SharedCold
 from lmcache_tiered.tier import Allocator, Payload, Tier
-from lmcache_tiered.warmup import load_policy
+from lmcache_tiered.warmup import CacheView, load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
 from lmcache_tiered.warmup.chains import ChainIndex
 from lmcache_tiered.warmup.promoter import Promoter
 
 logger = logging.getLogger("lmcache_tiered")
 
-PutCallback = Callable[[CacheEngineKey], None]
+PutCallback = Callable[[StoreKey], None]
+#: Called with keys that may have entered or left the cache (see on_change).
+ChangeCallback = Callable[[Sequence[StoreKey]], None]
 #: Most bytes of puts waiting for the writer; beyond it puts are dropped so the
 #: CPU tier, whose buffers the queued puts hold, never fills up behind them.
 MAX_QUEUED_BYTES = 2 << 30
 
 
+def load_configured_policy(settings: TieredConfig, view: CacheView) -> WarmupPolicy:
+    """The policy ``tiered.warmup.policy`` names, over ``view``, with its own
+    ``tiered.warmup.<name>.*`` parameters; ConfigError on a bad name, a bad
+    parameter, or ``warm.admit_after_hits`` without the frequency policy."""
+    name = settings.warmup_policy
+    params = {
+        k.split(".", 1)[1]: v
+        for k, v in settings.policy_params.items()
+        if k.startswith(name + ".")
+    }
+    if settings.admit_after_hits:
+        if name != "frequency":
+            raise ConfigError(
+                "tiered.warm.admit_after_hits needs tiered.warmup.policy: "
+                f"frequency (the policy in use is {name})"
+            )
+        params.setdefault("admit_after_hits", settings.admit_after_hits)
+    return load_policy(name, view, params)
+
+
+class EmptyView:
+    """A CacheView of a cache holding nothing: enough to build a policy and
+    so check its settings before the tiers can be opened."""
+
+    def where(self, key: StoreKey) -> TierName | None:
+        return None
+
+    def continuation(self, key: StoreKey, limit: int) -> list[StoreKey]:
+        return []
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
 class _Batch:
-    """Objects queued for one tier, each holding a reference until written."""
+    """Payloads queued for one tier. ``refs`` are the objects whose memory
+    the payloads point into, each holding a reference until written (None
+    for a payload copied into its own buffer)."""
 
-    __slots__ = ("target", "keys", "objs", "callback")
+    __slots__ = ("target", "payloads", "refs", "callback")
 
-    def __init__(
-        self,
-        target: TierName,
-        keys: list[CacheEngineKey],
-        objs: list[MemoryObj],
-        callback: PutCallback | None,
-    ) -> None:
-        self.target, self.keys, self.objs, self.callback = target, keys, objs, callback
+    def __init__(self, target: TierName, callback: PutCallback | None) -> None:
+        self.target, self.callback = target, callback
+        self.payloads: list[Payload] = []
+        self.refs: list[MemoryObj | None] = []
 
 
 #: The writer's queue: batches, flush markers (set once every earlier batch is
@@ -77,7 +117,12 @@ _QueueItem = _Batch | threading.Event | None
 
 
 class TieredCache:
-    """Warm (+ optional cold) tiers with a writer thread and warm-up."""
+    """Warm (+ optional cold) tiers with a writer thread and warm-up.
+
+    ``hot`` is LMCache's CPU tier in-process; the multi-process adapter has
+    none (plans for hot then go to warm, see the promoter). ``allocate`` gives
+    memory for reads that bring no buffers of their own (``read(into=None)``).
+    """
 
     def __init__(
         self,
@@ -87,11 +132,15 @@ class TieredCache:
         max_payload: int,
         local_workers: int,
         hot: LocalCPUBackend | None,
-        allocate: Allocator,
+        allocate: Allocator | None = None,
     ) -> None:
         self.settings = settings
         self.hot = hot
         self._allocate = allocate
+        #: the owner's hook: called with keys that may have entered or left
+        #: our tiers (written, evicted, dropped as bad, removed); the truth is
+        #: :meth:`holds`. The L2 adapter keeps LMCache's accounting with it.
+        self.on_change: ChangeCallback | None = None
         self.tiers: dict[TierName, Tier] = {}
         try:
             levels: list[tuple[TierName, TierSettings | None]] = [
@@ -138,6 +187,7 @@ class TieredCache:
             policy=self.policy,
             view=self,
             tiers=self.tiers,
+            read_cold=self._read_cold,
             store=self.store,
             hot=hot,
             bandwidth_bytes_s=settings.warmup_bandwidth_bytes_s,
@@ -149,11 +199,6 @@ class TieredCache:
 
     def _load_policy(self) -> WarmupPolicy:
         name = self.settings.warmup_policy
-        params = {
-            k.split(".", 1)[1]: v
-            for k, v in self.settings.policy_params.items()
-            if k.startswith(name + ".")
-        }
         for key in self.settings.policy_params:
             if not key.startswith(name + "."):
                 logger.warning(
@@ -162,14 +207,7 @@ class TieredCache:
                     key,
                     name,
                 )
-        if self.settings.admit_after_hits:
-            if name != "frequency":
-                raise ConfigError(
-                    "tiered.warm.admit_after_hits needs tiered.warmup.policy: "
-                    f"frequency (the policy in use is {name})"
-                )
-            params.setdefault("admit_after_hits", self.settings.admit_after_hits)
-        return load_policy(name, self, params)
+        return load_configured_policy(self.settings, self)
 
     @property
     def warm(self) -> Tier:
@@ -177,12 +215,12 @@ class TieredCache:
 
     # ------------------------------------------------------------- CacheView
 
-    def where(self, key: CacheEngineKey) -> TierName | None:
+    def where(self, key: StoreKey) -> TierName | None:
         if self.hot is not None and self.hot.contains(key):
             return "hot"
         return self.tier_of(key)
 
-    def tier_of(self, key: CacheEngineKey) -> TierName | None:
+    def tier_of(self, key: StoreKey) -> TierName | None:
         """The highest of our tiers (not hot) that holds ``key``; chunks other
         hosts stored in a shared cold tier count as cold."""
         found = next((n for n, t in self.tiers.items() if t.header(key)), None)
@@ -190,7 +228,12 @@ class TieredCache:
             return "cold"
         return found
 
-    def continuation(self, key: CacheEngineKey, limit: int) -> list[CacheEngineKey]:
+    def holds(self, key: StoreKey) -> bool:
+        """Whether one of our own tiers (not another host's files) holds ``key``:
+        what this host stores, and what LMCache's L2 accounting counts."""
+        return any(t.header(key) is not None for t in self.tiers.values())
+
+    def continuation(self, key: StoreKey, limit: int) -> list[StoreKey]:
         return self.chains.continuation(key, limit)
 
     def now(self) -> float:
@@ -198,113 +241,228 @@ class TieredCache:
 
     # ---------------------------------------------------------------- events
 
-    def _plan(self, plans: list[Plan]) -> None:
+    def _plan(self, event: Callable[..., list[Plan]], *args: Any) -> None:
+        """Tell the policy of an event and queue the plans it answers. A
+        failing policy is logged: the lookup, read or write that fed it goes
+        on (a lookup must not leave its pins behind half-way)."""
+        try:
+            plans = event(*args)
+        except Exception:
+            logger.exception(
+                "lmcache_tiered: warm-up policy %s failed", self.settings.warmup_policy
+            )
+            return
         self.promoter.submit(plans)
 
-    def _evicted_from(self, tier: TierName) -> Callable[[list[CacheEngineKey]], None]:
-        def evicted(keys: list[CacheEngineKey]) -> None:
+    def _changed(self, keys: Sequence[StoreKey]) -> None:
+        if keys and self.on_change is not None:
+            self.on_change(keys)
+
+    def _evicted_from(self, tier: TierName) -> Callable[[list[StoreKey]], None]:
+        """The tier's eviction hook: the policy hears of each key, the owner
+        of the keys that may now be nowhere (a demoted one is still in cold)."""
+
+        def evicted(keys: list[StoreKey]) -> None:
             for key in keys:
-                self._plan(self.policy.on_evict(key, tier))
+                self._plan(self.policy.on_evict, key, tier)
+            self._changed(keys)
 
         return evicted
 
-    def hint(self, keys: Sequence[CacheEngineKey], deadline: float | None) -> None:
+    def hint(self, keys: Sequence[StoreKey], deadline: float | None) -> None:
         """An arrival hint: ``keys`` of a request not yet scheduled."""
-        self._plan(self.policy.on_hint(keys, deadline))
+        self._plan(self.policy.on_hint, keys, deadline)
 
     # ---------------------------------------------------------------- lookups
 
-    def prefix_hits(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
-        """Length of the prefix of ``keys`` held in warm or cold (pinned on
-        request, recency refreshed); the policy sees the whole lookup."""
-        hits = 0
-        by_tier: dict[TierName, list[CacheEngineKey]] = {}
-        for key in keys:
+    def lookup(
+        self, keys: Sequence[StoreKey], pin: bool = False, *, prefix: bool = False
+    ) -> list[bool]:
+        """Which of ``keys`` (one prefix chain, in order) warm or cold holds;
+        those are pinned on request where they are and their recency is
+        refreshed. With ``prefix`` the keys after the first miss count as
+        misses and are left alone. The policy sees the whole lookup, with the
+        leading run of hits as the prefix found: lookups are its signal."""
+        held = [False] * len(keys)
+        by_tier: dict[TierName, list[StoreKey]] = {}
+        for i, key in enumerate(keys):
             tier = self.tier_of(key)
             if tier is None:
-                break
-            hits += 1
+                if prefix:
+                    break
+                continue
+            held[i] = True
             by_tier.setdefault(tier, []).append(key)
         for tier, tier_keys in by_tier.items():
             self.tiers[tier].touch(tier_keys, pin)
         self.chains.learn(keys)
-        self._plan(self.policy.on_lookup(keys, hits))
-        return hits
+        hits = next((i for i, h in enumerate(held) if not h), len(held))
+        self._plan(self.policy.on_lookup, keys, hits)
+        return held
 
-    def stored_keys(self) -> list[CacheEngineKey]:
+    def prefix_hits(self, keys: Sequence[StoreKey], pin: bool = False) -> int:
+        """Length of the prefix of ``keys`` held in warm or cold (pinned on
+        request, recency refreshed); the policy sees the whole lookup."""
+        return sum(self.lookup(keys, pin, prefix=True))
+
+    def stored_keys(self) -> list[StoreKey]:
         keys = {k: None for t in self.tiers.values() for k in t.stored_keys()}
         return list(keys)
 
-    def pin(self, key: CacheEngineKey) -> bool:
+    def pin(self, key: StoreKey) -> bool:
         tier = self.tier_of(key)
         return tier is not None and self.tiers[tier].pin(key)
 
-    def unpin(self, key: CacheEngineKey) -> bool:
+    def unpin(self, key: StoreKey) -> bool:
         return any(t.unpin(key) for t in self.tiers.values())
 
-    def remove(self, key: CacheEngineKey) -> bool:
-        return sum(t.remove(key) for t in self.tiers.values()) > 0
+    def remove(self, key: StoreKey) -> bool:
+        removed = sum(t.remove(key) for t in self.tiers.values()) > 0
+        if removed:
+            self._changed([key])
+        return removed
 
-    def is_pending(self, key: CacheEngineKey) -> bool:
+    def is_pending(self, key: StoreKey) -> bool:
         return key_digest(key) in self._pending
 
     # ------------------------------------------------------------------ reads
 
-    def read(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+    def read(
+        self,
+        keys: Sequence[StoreKey],
+        into: Sequence[MemoryObj | None] | None = None,
+    ) -> list[MemoryObj | None]:
         """Demand read: each tier in turn reads, in one batch, the keys still
-        missing. Cold hits are queued for a copy to warm."""
+        missing. Cold hits are queued for a copy to warm.
+
+        Without ``into`` each object comes from ``allocate`` and the caller
+        owns one reference to it. ``into`` are the caller's buffers instead,
+        one per key (None: skip the key); a record of another size is a miss,
+        and the result is the buffer itself, its reference count unchanged.
+        """
+        if into is None and self._allocate is None:
+            raise ValueError("TieredCache.read: no buffers given and no allocator")
         objs: list[MemoryObj | None] = [None] * len(keys)
+        #: indices a tier found and gave memory to: a miss among them is a
+        #: record that failed its checks (dropped) or a device error
+        tried: set[int] = set()
+        wanted = [i for i in range(len(keys)) if into is None or into[i] is not None]
         with self.promoter.demand(keys):
             for name, tier in self._read_order():
-                missing = [i for i, obj in enumerate(objs) if obj is None]
+                missing = [i for i in wanted if objs[i] is None]
                 if not missing:
                     break
-                found = tier.read([keys[i] for i in missing], self._allocate)
+                allocate = self._read_memory(keys, missing, into, tried)
+                found = tier.read([keys[i] for i in missing], allocate)
                 for i, obj in zip(missing, found, strict=True):
+                    if obj is not None and into is not None:
+                        obj.ref_count_down()  # the one _read_memory took
                     objs[i] = obj
                 hits = [(keys[i], o) for i, o in zip(missing, found, strict=True) if o]
                 for key, _ in hits:
-                    self._plan(self.policy.on_hit(key, name))
+                    self._plan(self.policy.on_hit, key, name)
                 if name == "cold" and hits and "warm" in self.tiers:
-                    self._enqueue("warm", hits, None)
+                    # The caller may reuse its own buffers as soon as this
+                    # returns, so their bytes are copied now (a memcpy: far
+                    # cheaper than reading cold again, and it does not hold up
+                    # the read as a warm write, with its demotions, would).
+                    # LMCache's CPU-tier objects are referenced until written.
+                    self._enqueue("warm", hits, None, copy=into is not None)
+        self._changed([keys[i] for i in tried if objs[i] is None])
         return objs
+
+    def _read_memory(
+        self,
+        keys: Sequence[StoreKey],
+        missing: Sequence[int],
+        into: Sequence[MemoryObj | None] | None,
+        tried: set[int],
+    ) -> Allocator:
+        """Memory for one tier's read of ``keys[missing]``: the caller's buffer
+        of that key (repeated keys take theirs in order), or ``allocate``'s."""
+        queues: dict[bytes, deque[int]] = {}
+        for i in missing:
+            queues.setdefault(key_digest(keys[i]), deque()).append(i)
+
+        def allocate(header: RecordHeader) -> MemoryObj | None:
+            i = queues[key_digest(header.key)].popleft()
+            if into is None:
+                assert self._allocate is not None  # checked by read()
+                obj = self._allocate(header)
+            else:
+                obj = into[i]
+                if obj is None or obj.get_size() != header.payload_size:
+                    return None
+                # the tier drops a reference on a failed read: give it one,
+                # so the caller's count never changes (read() drops it on
+                # success)
+                obj.ref_count_up()
+            if obj is not None:
+                tried.add(i)
+            return obj
+
+        return allocate
 
     def _read_order(self) -> list[tuple[TierName, Tier]]:
         """Our tiers, then the other hosts' files in a shared cold tier."""
         return [*self.tiers.items(), *(("cold", t) for t in self.shared.tiers())]
 
+    def _read_cold(self, keys: Sequence[StoreKey]) -> list[Payload | None]:
+        """Read ``keys`` from cold, ours then the other hosts' files, into
+        fresh buffers (the promoter's copies to warm)."""
+        payloads: list[Payload | None] = [None] * len(keys)
+        for name, tier in self._read_order():
+            missing = [i for i, p in enumerate(payloads) if p is None]
+            if name != "cold" or not missing:
+                continue
+            found = tier.read_payloads([keys[i] for i in missing])
+            for i, payload in zip(missing, found, strict=True):
+                payloads[i] = payload
+        return payloads
+
     # ----------------------------------------------------------------- writes
+
+    def select_new(self, keys: Sequence[StoreKey]) -> list[bool]:
+        """Which of a request's new chunks (one prefix chain, in order) to
+        write: the policy sees the chain and may refuse admission; keys
+        already stored are skipped."""
+        self.chains.learn(keys)
+        self._plan(self.policy.on_store, keys)
+        chosen = []
+        for key in keys:
+            admitted = self.policy.admit(key)
+            if not admitted:
+                self.puts_not_admitted += 1
+            chosen.append(admitted and self.tier_of(key) is None)
+        return chosen
 
     def put(
         self,
-        keys: Sequence[CacheEngineKey],
+        keys: Sequence[StoreKey],
         objs: Sequence[MemoryObj],
         callback: PutCallback | None = None,
     ) -> None:
         """Queue a request's new chunks (prefix order) for the writer; return
-        at once. Already stored or queued keys are skipped; the policy sees the
-        chain and may refuse admission."""
+        at once (see :meth:`select_new`)."""
         if not self.tiers or self._closed:
             return
-        self.chains.learn(keys)
-        self._plan(self.policy.on_store(keys))
-        items = []
-        for key, obj in zip(keys, objs, strict=True):
-            if not self.policy.admit(key):
-                self.puts_not_admitted += 1
-            elif self.tier_of(key) is None:
-                items.append((key, obj))
+        chosen = self.select_new(keys)
+        items = [(k, o) for k, o, c in zip(keys, objs, chosen, strict=True) if c]
         self._enqueue("warm", items, callback)
 
     def _enqueue(
         self,
         target: TierName,
-        items: Sequence[tuple[CacheEngineKey, MemoryObj]],
+        items: Sequence[tuple[StoreKey, MemoryObj]],
         callback: PutCallback | None,
+        *,
+        copy: bool = False,
     ) -> None:
-        """Take a reference on each object (LMCache drops its own as soon as
-        the put call returns) and hand the batch to the writer."""
-        batch = _Batch(target, [], [], callback)
+        """Hand a batch to the writer. Each object is referenced until it is
+        written (LMCache drops its own as soon as the put call returns), or
+        with ``copy`` its bytes are copied now (for a buffer its owner may
+        reuse at once)."""
+        chosen = []
         with self._lock:
             for key, obj in items:
                 digest, size = key_digest(key), obj.get_size()
@@ -313,12 +471,23 @@ class TieredCache:
                 if self._queued_bytes + size > MAX_QUEUED_BYTES:
                     self.puts_dropped += 1
                     continue
-                obj.ref_count_up()
+                if not copy:
+                    obj.ref_count_up()
                 self._pending[digest] = size
                 self._queued_bytes += size
-                batch.keys.append(key)
-                batch.objs.append(obj)
-        if batch.keys:
+                chosen.append((key, obj))
+        batch = _Batch(target, callback)
+        for key, obj in chosen:
+            payload = Payload.of(key, obj)
+            if copy:
+                buffer = aligned_buffer(align_up(len(payload.view)))
+                buffer[: len(payload.view)] = payload.view
+                payload = dataclasses.replace(
+                    payload, view=buffer[: len(payload.view)], direct=True
+                )
+            batch.payloads.append(payload)
+            batch.refs.append(None if copy else obj)
+        if batch.payloads:
             self._queue.put(batch)
 
     def _write_loop(self) -> None:
@@ -342,28 +511,25 @@ class TieredCache:
                 return
 
     def _write(self, batches: list[_Batch]) -> None:
-        payloads = [
-            Payload.of(k, o)
-            for b in batches
-            for k, o in zip(b.keys, b.objs, strict=True)
-        ]
-        done = iter(self.store(payloads))
+        done = iter(self.store([p for b in batches for p in b.payloads]))
         for batch in batches:
-            for key in batch.keys:
+            for payload in batch.payloads:
                 if next(done) and batch.callback is not None:
                     try:
-                        batch.callback(key)
+                        batch.callback(payload.key)
                     except Exception:
                         logger.exception("lmcache_tiered: put callback failed")
 
     def store(self, payloads: list[Payload]) -> list[bool]:
         """Write chunks to warm without losing any: first warm's next victims
         are copied to cold (write-back), then what warm cannot take goes to
-        cold; with write-through every chunk goes to both.
+        cold; with write-through every chunk goes to both. True for each
+        chunk stored (payload, then header, written) when this returns.
 
-        The writer and the promoter both store; one lock keeps a victim from
-        being overwritten between its demotion and the write (it is held across
-        I/O, but only ever by those two background threads).
+        The writer, the promoter and the L2 adapter's store thread all store;
+        one lock keeps a victim from being overwritten between its demotion
+        and the write (it is held across I/O, but only ever by those
+        background threads).
         """
         cold = self.tiers.get("cold")
         through = self.settings.cold_write_through
@@ -381,9 +547,10 @@ class TieredCache:
                     cold_ok = cold.write_payloads([payloads[i] for i in below])
                     for i, ok in zip(below, cold_ok, strict=True):
                         stored[i] = stored[i] or ok
+        self._changed([p.key for p in payloads])
         return stored
 
-    def _demote(self, victims: list[CacheEngineKey], cold: Tier) -> None:
+    def _demote(self, victims: list[StoreKey], cold: Tier) -> None:
         """Copy warm's next victims to cold before they are overwritten."""
         missing = [k for k in victims if cold.header(k) is None]
         if missing:
@@ -392,10 +559,11 @@ class TieredCache:
 
     def _release(self, batches: list[_Batch]) -> None:
         for batch in batches:
-            for key, obj in zip(batch.keys, batch.objs, strict=True):
+            for payload, ref in zip(batch.payloads, batch.refs, strict=True):
                 with self._lock:
-                    self._queued_bytes -= self._pending.pop(key_digest(key), 0)
-                obj.ref_count_down()
+                    self._queued_bytes -= self._pending.pop(key_digest(payload.key), 0)
+                if ref is not None:
+                    ref.ref_count_down()
 
     def flush(self) -> None:
         """Block until every put queued so far is written."""

@@ -1,4 +1,4 @@
-"""TieredL2Adapter: the striped tiers as an L2 adapter of LMCache's
+"""TieredL2Adapter: the tiered cache as an L2 adapter of LMCache's
 multi-process server (``lmcache server``).
 
 Enable it on the server's command line::
@@ -12,27 +12,38 @@ Enable it on the server's command line::
 names, without the prefix; they are parsed by the same
 :meth:`TieredConfig.from_extra_config`. LMCache finds
 :class:`TieredL2AdapterConfig` by its name (class name + ``Config``) and
-builds it in the server, where a bad setting stops the start-up with a clear
-error instead of a silently missing tier.
+builds it in the server, where a bad setting (the warm-up policy and its
+parameters included) stops the start-up with a clear error instead of a
+silently missing tier.
 
-The same :class:`~lmcache_tiered.tier.Tier` code serves both plugin paths;
-this module only translates LMCache's L2 protocol (lmcache 0.5.6,
-``lmcache/v1/distributed/l2_adapters/base.py``) into tier calls:
+The adapter runs on the same :class:`~lmcache_tiered.cache.TieredCache` as
+the in-process plugin: warm and cold tiers, write-back demotion (or
+write-through), the cold tier shared by several hosts, the warm-up policy and
+its promoter. This module only translates LMCache's L2 protocol (lmcache
+0.5.6, ``lmcache/v1/distributed/l2_adapters/base.py``) into cache calls:
 
 * Keys are ``ObjectKey``; the tiers store them under their canonical text
   (:func:`lmcache_tiered.keys.key_text`), so a restarted server serves them.
 * Buffers belong to LMCache's L1 and stay theirs: the tiers read into and
-  write from a flat byte view of each object (:func:`borrow`), never taking
-  or dropping a reference.
+  write from a flat byte view of each object (:func:`borrow`), never keeping
+  a reference nor changing its count. A store task is reported done only
+  once its chunks are written (payload, then header); a cold hit is copied
+  out of the caller's buffer before the load is reported, for its copy to
+  warm.
 * Work runs on three threads (store, lookup/unlock, load), so a long store
   batch never delays a lookup or a load; each thread takes every task queued
-  so far as one tier call, so one call's I/O keeps all devices busy. A thread
-  signals the operation's event fd once the results it produced are
+  so far as one cache call, so one call's I/O keeps all devices busy. A
+  thread signals the operation's event fd once the results it produced are
   queryable; ``submit_*`` calls only queue.
-* Lookup-and-lock pins chunks in the tier (a pinned chunk is never evicted);
-  unlock unpins. The tier evicts by LRU on its own when full: evictions, bad
-  records and ``delete`` reach LMCache's listeners and usage counters, each
-  chunk charged one slot on disk.
+* Lookup-and-lock pins each chunk found in the tier that holds it (a pinned
+  chunk is never evicted); unlock unpins. Lookups are the warm-up policy's
+  signal, one call per row of keys (model, kv rank, object group, salt:
+  one prefix chain), and stores teach it the chains; there is no LMCache
+  CPU tier below the adapter, so promotions go to warm.
+* LMCache's listeners and usage counters see a chunk as stored while some
+  tier of ours holds it: a demotion to cold is no deletion, a chunk that
+  leaves its last tier (eviction, bad record, ``delete``) is one. Each chunk
+  is charged one warm slot on disk.
 """
 
 from __future__ import annotations
@@ -43,7 +54,6 @@ import os
 import queue
 import re
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
@@ -65,10 +75,11 @@ from lmcache.v1.memory_management import (
 )
 from lmcache.v1.platform import create_event_notifier
 
+from lmcache_tiered.cache import EmptyView, TieredCache, load_configured_policy
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.keys import StoreKey, key_digest
-from lmcache_tiered.layout import HEADER_SIZE, Geometry, RecordHeader
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.layout import HEADER_SIZE, Geometry
+from lmcache_tiered.tier import Payload, Tier
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -88,7 +99,12 @@ class TieredL2AdapterConfig(L2AdapterConfigBase):
         """Parse ``adapter_params``; names copied with the prefix also work."""
         extra = {k if k.startswith(PREFIX) else PREFIX + k: v for k, v in d.items()}
         try:
-            return cls(TieredConfig.from_extra_config(extra))
+            settings = TieredConfig.from_extra_config(extra)
+            # Built and dropped to check the policy's name and parameters now:
+            # the real one is built when the tiers open, maybe at the first
+            # store (when the slot size is known), long after start-up.
+            load_configured_policy(settings, EmptyView())
+            return cls(settings)
         except ConfigError as exc:
             # name settings as the user wrote them: without the prefix
             text = re.sub(rf"(?<![\w/.]){re.escape(PREFIX)}", "", str(exc))
@@ -105,9 +121,8 @@ def borrow(obj: MemoryObj) -> TensorMemoryObj | None:
     """A flat ``uint8`` MemoryObj over ``obj``'s memory, or None if it is not
     contiguous CPU memory.
 
-    The tier records the object's shape and dtype and drops its reference on a
-    failed read; the view has neither an allocator nor a real reference, so
-    the caller's object is never freed or changed in count. Multi-group L1
+    The tier records the view's shape and dtype; the view has no allocator,
+    so the caller's object is never freed or changed in count. Multi-group L1
     objects (whose ``get_shape()`` is only the first group's) are stored as
     plain bytes of their full size.
     """
@@ -198,8 +213,33 @@ class _Worker(Generic[_Job]):
                 return
 
 
+def _rows(keys: Sequence[ObjectKey]) -> list[range]:
+    """Index ranges of the runs of ``keys`` with one model, kv rank, object
+    group and salt. LMCache puts a request's rows (one per object group and
+    kv rank) into one task; each row is a prefix chain of its own."""
+    rows: list[range] = []
+    start = 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or _row_of(keys[i]) != _row_of(keys[start]):
+            rows.append(range(start, i))
+            start = i
+    return rows
+
+
+def _row_of(key: ObjectKey) -> tuple[str, int, int, str]:
+    return key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
+
+
+def capacity_bytes(settings: TieredConfig) -> int:
+    """Most bytes of distinct chunks the tiers hold, as LMCache's usage counts
+    them (each chunk once): with write-through warm only holds copies."""
+    warm = settings.warm.capacity_bytes
+    cold = 0 if settings.cold is None else settings.cold.capacity_bytes
+    return max(warm, cold) if settings.cold_write_through else warm + cold
+
+
 class TieredL2Adapter(L2AdapterInterface):
-    """Striped NVMe tiers behind LMCache's ``L2AdapterInterface``.
+    """A :class:`TieredCache` behind LMCache's ``L2AdapterInterface``.
 
     LMCache's plugin factory calls ``TieredL2Adapter(config, l1_memory_desc=)``
     (``lmcache/v1/distributed/l2_adapters/plugin_l2_adapter.py``); a plain
@@ -215,15 +255,19 @@ class TieredL2Adapter(L2AdapterInterface):
         if not isinstance(config, TieredL2AdapterConfig):
             config = TieredL2AdapterConfig.from_dict(dict(config))
         settings = config.settings
-        levels = [t for t in (settings.warm, settings.cold) if t is not None]
-        super().__init__(max_capacity_bytes=sum(t.capacity_bytes for t in levels))
+        super().__init__(max_capacity_bytes=capacity_bytes(settings))
         self.settings = settings
         self._l1_memory_desc = l1_memory_desc
-        #: warm first; empty until the slot size is known (see _open_tiers)
-        self.tiers: list[Tier] = []
+        #: None until the slot size is known (see _open_cache)
+        self.cache: TieredCache | None = None
+        #: the chunks LMCache's listeners last heard of as stored, by digest
+        self._in_l2: dict[bytes, ObjectKey] = {}
+        self._in_l2_lock = threading.Lock()
+        #: bytes each chunk counts for in LMCache's usage: one warm slot on disk
+        self._charge = 0
         slot = settings.slot_bytes or recorded_slot_bytes(settings.warm.paths[0])
         if slot is not None:
-            self._open_tiers(slot)
+            self._open_cache(slot)
         self._lock = threading.Lock()
         self._closed = False
         self._next_task_id: L2TaskId = 0
@@ -240,55 +284,52 @@ class TieredL2Adapter(L2AdapterInterface):
             "lmcache-tiered-l2-lookup", self._run_lookups
         )
         self._loads_worker = _Worker[_Task]("lmcache-tiered-l2-load", self._run_loads)
-        if settings.cold is not None:
+        if settings.hint_port >= 0:
             logger.warning(
-                "lmcache_tiered: TieredL2Adapter reads the cold tier but does not "
-                "write it yet: stores go to the warm tier only"
+                "lmcache_tiered: warmup.hint_port is ignored by TieredL2Adapter: "
+                "LMCache's server sends no arrival hints; lookups drive warm-up"
             )
         logger.info(
-            "lmcache_tiered: TieredL2Adapter ready: %s",
+            "lmcache_tiered: TieredL2Adapter ready: %s; warm-up policy %s",
             ", ".join(
                 f"{t.name} {len(t.paths)} path(s), {len(t)} chunks, "
                 f"engine {t.engine.name}, O_DIRECT {t.direct_io}"
                 for t in self.tiers
             )
             or "tiers open at the first store (slot size from its objects)",
+            settings.warmup_policy,
         )
 
     # ---------------------------------------------------------------- tiers
 
-    def _open_tiers(self, max_payload: int) -> None:
-        """Open every configured tier with slots of ``max_payload`` bytes."""
-        tiers: list[Tier] = []
-        try:
-            for level in (self.settings.warm, self.settings.cold):
-                if level is not None:
-                    tiers.append(
-                        Tier(
-                            level,
-                            self.settings,
-                            owner=OWNER,
-                            max_payload=max_payload,
-                            capacity_bytes=level.capacity_bytes,
-                        )
-                    )
-        except Exception:
-            for tier in tiers:
-                tier.close()
-            raise
-        for tier in tiers:
+    @property
+    def tiers(self) -> list[Tier]:
+        """Our tiers, warm first; empty until the slot size is known."""
+        cache = self.cache
+        return [] if cache is None else list(cache.tiers.values())
+
+    def _open_cache(self, max_payload: int) -> None:
+        """Open the cache, its tiers with slots of ``max_payload`` bytes."""
+        cache = TieredCache(
+            self.settings,
+            owner=OWNER,
+            max_payload=max_payload,
+            local_workers=1,
+            hot=None,  # LMCache's L1 is above us; loads bring their buffers
+        )
+        for tier in cache.tiers.values():
             self._register_l1(tier)
-            tier.on_evict = self._evicted_from(tier)
-        recovered = [(k, t) for t in tiers for k in t.stored_keys()]
-        with self._usage_lock:  # seeded quietly, as LMCache's raw-block adapter
-            for key, tier in recovered:
-                if not isinstance(key, ObjectKey):
-                    continue
-                charge = self._charge(tier)
+        self._charge = charge = cache.warm.geometry.slot_disk_bytes
+        recovered = [k for k in cache.stored_keys() if isinstance(k, ObjectKey)]
+        # seeded quietly, as LMCache's raw-block adapter does
+        with self._in_l2_lock, self._usage_lock:
+            salts = self._bytes_by_cache_salt
+            for key in recovered:
+                self._in_l2[key_digest(key)] = key
                 self._total_bytes_used += charge
-                salts = self._bytes_by_cache_salt
                 salts[key.cache_salt] = salts.get(key.cache_salt, 0) + charge
-        self.tiers = tiers
+        cache.on_change = lambda keys: self._reconcile(cache, keys)
+        self.cache = cache
 
     def _register_l1(self, tier: Tier) -> None:
         """Register LMCache's L1 arena with an io_uring engine (fixed buffers:
@@ -300,22 +341,31 @@ class TieredL2Adapter(L2AdapterInterface):
         arena = (ctypes.c_ubyte * desc.stable_registration_size).from_address(desc.ptr)
         register([memoryview(arena)])
 
-    @staticmethod
-    def _charge(tier: Tier) -> int:
-        """Bytes a chunk counts for in LMCache's usage: one slot on disk."""
-        return tier.geometry.slot_disk_bytes
-
-    def _evicted_from(self, tier: Tier) -> Callable[[list[StoreKey]], None]:
-        def evicted(keys: list[StoreKey]) -> None:
-            self._deleted([(k, self._charge(tier)) for k in keys])
-
-        return evicted
-
-    def _deleted(self, charges: Sequence[tuple[StoreKey, int]]) -> None:
-        """Tell LMCache's listeners and usage counters that chunks are gone."""
-        gone = [(k, c) for k, c in charges if isinstance(k, ObjectKey)]
-        if gone:
-            self._notify_keys_deleted([k for k, _ in gone], [c for _, c in gone])
+    def _reconcile(self, cache: TieredCache, keys: Sequence[StoreKey]) -> None:
+        """Tell LMCache's listeners and usage counters which of ``keys``
+        entered or left L2. A chunk is in L2 while some tier of ours holds it:
+        a warm victim demoted to cold is not deleted, nor is a cold victim
+        warm still holds; one that leaves its last tier (eviction, bad
+        record, ``delete``) is. The cache calls this after every such change;
+        one lock makes listeners hear stored and deleted in turn for each
+        chunk, whichever threads changed it."""
+        stored: list[ObjectKey] = []
+        deleted: list[ObjectKey] = []
+        with self._in_l2_lock:
+            for key in keys:
+                if not isinstance(key, ObjectKey):
+                    continue
+                digest = key_digest(key)
+                if cache.holds(key):
+                    if digest not in self._in_l2:
+                        self._in_l2[digest] = key
+                        stored.append(key)
+                elif self._in_l2.pop(digest, None) is not None:
+                    deleted.append(key)
+            if stored:
+                self._notify_keys_stored(stored, [self._charge] * len(stored))
+            if deleted:
+                self._notify_keys_deleted(deleted, [self._charge] * len(deleted))
 
     # ------------------------------------------------------------- event fds
 
@@ -400,43 +450,51 @@ class TieredL2Adapter(L2AdapterInterface):
         self._store_efd.notify()
 
     def _store(self, tasks: list[_Task]) -> dict[L2TaskId, L2StoreResult]:
-        """Write all tasks' chunks in one batch; a task succeeds when every
-        one of its chunks is stored (now or before)."""
+        """Write all tasks' new chunks in one batch, synchronously: a task is
+        reported only once they are written, and succeeds when every one of
+        its chunks is stored (now or before)."""
         views = [[borrow(obj) for obj in task.objects] for task in tasks]
-        plan = [
-            (n, key, view)
-            for n, (task, row) in enumerate(zip(tasks, views, strict=True))
-            for key, view in zip(task.keys, row, strict=True)
-            if view is not None
-        ]
-        if not self.tiers and plan:
-            slot = max(view.get_size() for _, _, view in plan)
+        sizes = [view.get_size() for row in views for view in row if view]
+        if self.cache is None and sizes:
             logger.info(
                 "lmcache_tiered: L2 slot size %d bytes, from the first store "
                 "(set slot_mb to choose it)",
-                slot,
+                max(sizes),
             )
-            self._open_tiers(slot)
-        ok = [None not in row and bool(self.tiers) for row in views]
+            self._open_cache(max(sizes))
+        cache = self.cache
+        if cache is None:
+            return {t.task_id: L2StoreResult(False, 0) for t in tasks}
+        # the policy sees each row as a chain, and picks what to write
+        chosen = [[False] * len(task.keys) for task in tasks]
+        for task, picks in zip(tasks, chosen, strict=True):
+            for row in _rows(task.keys):
+                new = cache.select_new(task.keys[row.start : row.stop])
+                for i, pick in zip(row, new, strict=True):
+                    picks[i] = pick
+        plan = [
+            (n, i, view)
+            for n, (picks, task_views) in enumerate(zip(chosen, views, strict=True))
+            for i, view in enumerate(task_views)
+            if picks[i] and view is not None
+        ]
+        payloads = [Payload.of(tasks[n].keys[i], view) for n, i, view in plan]
+        stored = cache.store(payloads) if payloads else []
+        ok = [[False] * len(task.keys) for task in tasks]
         written = [0] * len(tasks)
-        if self.tiers and plan:
-            warm = self.tiers[0]
-            fresh = {key_digest(k) for _, k, _ in plan if warm.header(k) is None}
-            stored = warm.write([(key, view) for _, key, view in plan])
-            new_keys: list[ObjectKey] = []
-            for (n, key, view), good in zip(plan, stored, strict=True):
-                if not good:
-                    ok[n] = False
-                elif key_digest(key) in fresh:
-                    fresh.discard(key_digest(key))
-                    new_keys.append(key)
-                    written[n] += view.get_size()
-            if new_keys:
-                charges = [self._charge(warm)] * len(new_keys)
-                self._notify_keys_stored(new_keys, charges)
+        for (n, i, view), good in zip(plan, stored, strict=True):
+            ok[n][i] = good
+            written[n] += view.get_size() if good else 0
+        for task, picks, task_views, flags in zip(
+            tasks, chosen, views, ok, strict=True
+        ):
+            for i, key in enumerate(task.keys):
+                if not picks[i] and task_views[i] is not None:
+                    # stored before, or refused by the policy's admission
+                    flags[i] = cache.tier_of(key) is not None
         return {
-            task.task_id: L2StoreResult(good, size)
-            for task, good, size in zip(tasks, ok, written, strict=True)
+            task.task_id: L2StoreResult(all(flags), size)
+            for task, flags, size in zip(tasks, ok, written, strict=True)
         }
 
     # --------------------------------------------------------------- lookups
@@ -445,20 +503,33 @@ class TieredL2Adapter(L2AdapterInterface):
         """Lookups and unlocks in the order submitted: pins are in memory."""
         found: dict[L2TaskId, Bitmap] = {}
         for job in jobs:
+            cache = self.cache
             if isinstance(job, _Unlock):
-                for key in job.keys:
-                    any(tier.unpin(key) for tier in self.tiers)
+                if cache is not None:
+                    for key in job.keys:
+                        cache.unpin(key)
                 continue
             bitmap = Bitmap(len(job.keys))
-            # tails first: the prefix's heads end up the most recently used
-            for i in reversed(range(len(job.keys))):
-                if any(tier.contains(job.keys[i], pin=True) for tier in self.tiers):
-                    bitmap.set(i)
+            if cache is not None:
+                self._lookup(cache, job.keys, bitmap)
             found[job.task_id] = bitmap
         if found:
             with self._lock:
                 self._lookups.update(found)
             self._lookup_efd.notify()
+
+    @staticmethod
+    def _lookup(cache: TieredCache, keys: list[ObjectKey], bitmap: Bitmap) -> None:
+        """Look up and pin ``keys`` row by row (each row a chain the policy
+        sees); a failure is logged and the rest count as misses."""
+        try:
+            for row in _rows(keys):
+                held = cache.lookup(keys[row.start : row.stop], pin=True)
+                for i, hit in zip(row, held, strict=True):
+                    if hit:
+                        bitmap.set(i)
+        except Exception:
+            logger.exception("lmcache_tiered: L2 lookup failed")
 
     # ----------------------------------------------------------------- loads
 
@@ -474,108 +545,76 @@ class TieredL2Adapter(L2AdapterInterface):
         self._load_efd.notify()
 
     def _load(self, tasks: list[_Task], bitmaps: dict[L2TaskId, Bitmap]) -> None:
-        """Read all tasks' chunks straight into the caller's buffers, each
-        tier in turn taking the ones still missing as one batch."""
-        cells = [
-            (task, i, view)
-            for task in tasks
-            for i, view in enumerate(borrow(obj) for obj in task.objects)
-            if view is not None
-        ]
+        """Read all tasks' chunks straight into the caller's buffers, in one
+        cache read (warm, then cold, then other hosts' shared cold files)."""
+        cache = self.cache
+        if cache is None:
+            return
+        cells = [(task, i) for task in tasks for i in range(len(task.keys))]
+        objs = cache.read(
+            [task.keys[i] for task, i in cells],
+            into=[borrow(task.objects[i]) for task, i in cells],
+        )
         loaded: list[ObjectKey] = []
-        for tier in self.tiers:
-            if not cells:
-                break
-            got, dropped = self._read(tier, [(t.keys[i], v) for t, i, v in cells])
-            for (task, i, _), ok in zip(cells, got, strict=True):
-                if ok:
-                    bitmaps[task.task_id].set(i)
-                    loaded.append(task.keys[i])
-            self._deleted([(key, self._charge(tier)) for key in dropped])
-            cells = [cell for cell, ok in zip(cells, got, strict=True) if not ok]
+        for (task, i), obj in zip(cells, objs, strict=True):
+            if obj is not None:
+                bitmaps[task.task_id].set(i)
+                loaded.append(task.keys[i])
         if loaded:
             self._notify_keys_accessed(loaded)
-
-    @staticmethod
-    def _read(
-        tier: Tier, wanted: list[tuple[ObjectKey, TensorMemoryObj]]
-    ) -> tuple[list[bool], list[StoreKey]]:
-        """One tier read of ``wanted`` into its buffers: per key whether it was
-        read, and the keys the tier dropped as bad records."""
-        free: dict[bytes, deque[TensorMemoryObj]] = {}
-        for key, view in wanted:
-            free.setdefault(key_digest(key), deque()).append(view)
-        given: dict[int, StoreKey] = {}
-
-        def allocate(header: RecordHeader) -> MemoryObj | None:
-            """The caller's buffer for this key (repeated keys take theirs in
-            order), if the record fills it exactly."""
-            view = free[key_digest(header.key)].popleft()
-            if header.payload_size != view.get_size():
-                return None
-            given[id(view)] = header.key
-            return view
-
-        got = [obj is not None for obj in tier.read([k for k, _ in wanted], allocate)]
-        # a buffer handed out but not filled: the record failed its checks
-        bad = [
-            given[id(view)]
-            for (_, view), ok in zip(wanted, got, strict=True)
-            if not ok and id(view) in given
-        ]
-        return got, bad
 
     # ------------------------------------------------------------- eviction
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        """Forget ``keys`` in every tier (LMCache's L2 eviction calls this)."""
-        removed: list[tuple[StoreKey, int]] = []
-        for key in keys:
-            charge = sum(self._charge(t) for t in self.tiers if t.remove(key))
-            if charge:
-                removed.append((key, charge))
-        self._deleted(removed)
+        """Forget ``keys`` in every tier (LMCache's L2 eviction calls this);
+        listeners hear of it through :meth:`_reconcile`."""
+        cache = self.cache
+        if cache is not None:
+            for key in keys:
+                cache.remove(key)
 
     def register_listener(self, listener: L2AdapterListener) -> None:
         """Register ``listener`` and tell it of the chunks already stored
         (recovered after a restart), as LMCache's raw-block adapter does."""
-        super().register_listener(listener)
-        for tier in self.tiers:
-            keys = [k for k in tier.stored_keys() if isinstance(k, ObjectKey)]
+        with self._in_l2_lock:
+            super().register_listener(listener)
+            keys = list(self._in_l2.values())
             if keys:
-                listener.on_l2_keys_stored(keys, [self._charge(tier)] * len(keys))
+                listener.on_l2_keys_stored(keys, [self._charge] * len(keys))
 
     # ---------------------------------------------------------------- status
 
     def report_status(self) -> dict[str, Any]:
+        cache = self.cache
         return {
             "is_healthy": not self._closed
             and all(w.is_alive() for w in self._all_workers()),
             "type": type(self).__name__,
             "tiers": {
-                t.name: {
+                name: {
                     "paths": list(t.paths),
                     "chunks": len(t),
                     "engine": t.engine.name,
                     "direct_io": t.direct_io,
                     **asdict(t.stats),
                 }
-                for t in self.tiers
+                for name, t in ({} if cache is None else cache.tiers).items()
             },
+            "warmup": None if cache is None else cache.snapshot()["warmup"],
         }
 
     def _all_workers(self) -> list[_Worker[_Task] | _Worker[_Task | _Unlock]]:
         return [self._stores_worker, self._lookups_worker, self._loads_worker]
 
     def close(self) -> None:
-        """Finish every accepted task, then release tiers and event fds."""
+        """Finish every accepted task, then release the cache and event fds."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         for worker in self._all_workers():
             worker.stop()
-        for tier in self.tiers:
-            tier.close()
+        if self.cache is not None:
+            self.cache.close()
         for notifier in (self._store_efd, self._lookup_efd, self._load_efd):
             notifier.close()

@@ -61,6 +61,7 @@ from lmcache.v1.platform import consume_fd
 from lmcache.v1.storage_backend.raw_block.key_codec import object_key_to_string
 
 from lmcache_tiered.bench.mpbench import mp_read_gbps
+from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.uring import UringEngine
@@ -72,6 +73,7 @@ LAYOUT = MemoryLayoutDesc(
     [torch.Size([2, 4, 1000]), torch.Size([3, 7])], [torch.bfloat16, torch.float32]
 )
 CHUNK = 64 << 10  # bytes of one chunk in the direct-interface tests
+SLOT = CHUNK + 4096  # bytes of its slot on disk (one 4 KiB header block)
 TIMEOUT_MS = 20_000
 
 
@@ -474,6 +476,301 @@ def test_two_controller_threads_at_once(
         thread.join(60)
     assert not errors, errors
     assert caller.lookup([okey(i) for i in range(24)]) == list(range(24))
+
+
+# --------------------------------------------------- warm, cold, warm-up
+
+
+@pytest.fixture
+def cold_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "cold"
+    path.mkdir()
+    return path
+
+
+def slots(count: int) -> float:
+    """``warm.capacity_gb`` (or ``cold.``) of a tier of ``count`` chunk slots."""
+    return count * SLOT / GIB
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def cache_of(adapter: TieredL2Adapter) -> TieredCache:
+    assert adapter.cache is not None
+    return adapter.cache
+
+
+def test_write_back_demotes_warm_victims_to_cold_without_deleting_them(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    """A warm tier of two slots: each store demotes warm's victims to cold,
+    where they load byte-identical; LMCache never hears them deleted, and
+    counts each chunk once."""
+    adapter = adapter_factory(
+        **{
+            "warm.capacity_gb": slots(2),
+            "cold.paths": [str(cold_dir)],
+            "cold.capacity_gb": slots(16),
+        }
+    )
+    assert adapter.tiers[0].geometry.slot_disk_bytes == SLOT
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    caller = Caller(adapter)
+    keys = [okey(i) for i in range(6)]
+    src = [memory_obj(seed=i) for i in range(6)]
+    for i in range(0, 6, 2):
+        assert caller.store(keys[i : i + 2], src[i : i + 2])
+    cache = cache_of(adapter)
+    assert [cache.tier_of(k) for k in keys] == ["cold"] * 4 + ["warm"] * 2
+    assert cache.warm.stats.evictions == 4
+    assert caller.lookup(keys) == list(range(6))
+    dst = [memory_obj() for _ in keys]
+    assert caller.load(keys, dst) == list(range(6))
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(src, dst, strict=True))
+    adapter.submit_unlock(keys)
+    cache.flush()  # the cold hits' copies to warm
+    assert recorder.deleted == []
+    assert sorted(recorder.stored, key=key_text) == sorted(keys, key=key_text)
+    assert recorder.accessed == keys
+    assert adapter.get_usage().total_bytes_used == 6 * SLOT
+
+
+def test_a_chunk_that_leaves_its_last_tier_is_deleted(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    """Warm and cold of two slots each: the third store's demotion makes cold
+    evict the first two chunks, now in neither tier: those are deleted for
+    LMCache, and so is a chunk ``delete`` removes."""
+    adapter = adapter_factory(
+        **{
+            "warm.capacity_gb": slots(2),
+            "cold.paths": [str(cold_dir)],
+            "cold.capacity_gb": slots(2),
+        }
+    )
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    caller = Caller(adapter)
+    keys = [okey(i) for i in range(6)]
+    for i in range(0, 6, 2):
+        assert caller.store(keys[i : i + 2], [memory_obj(seed=i), memory_obj()])
+    cache = cache_of(adapter)
+    assert [cache.tier_of(k) for k in keys] == [None] * 2 + ["cold"] * 2 + ["warm"] * 2
+    assert sorted(recorder.deleted, key=key_text) == keys[:2]
+    assert adapter.get_usage().total_bytes_used == 4 * SLOT
+    adapter.delete([keys[2], keys[4], okey(99)])
+    assert sorted(recorder.deleted, key=key_text) == keys[:3] + [keys[4]]
+    assert caller.lookup(keys) == [3, 5]
+    assert adapter.get_usage().total_bytes_used == 2 * SLOT
+
+
+def test_write_through_puts_every_chunk_in_both_tiers(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    settings = {
+        "cold.paths": [str(cold_dir)],
+        "cold.write": "through",
+        "cold.capacity_gb": 1,
+    }
+    adapter = adapter_factory(**settings)
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    keys = [okey(i) for i in range(3)]
+    assert Caller(adapter).store(keys, [memory_obj(seed=i) for i in range(3)])
+    warm, cold = adapter.tiers
+    assert cold.name == "cold" and list(cold.paths) == [str(cold_dir)]
+    for key in keys:
+        assert warm.header(key) is not None and cold.header(key) is not None
+    # in both tiers, but one chunk each for LMCache, after a restart too
+    assert recorder.stored == keys
+    assert adapter.get_usage().total_bytes_used == 3 * SLOT
+    assert adapter.get_usage().total_capacity_bytes == GIB  # warm only copies
+    adapter.close()
+    again = adapter_factory(**settings)
+    recovered = Recorder()
+    again.register_listener(recovered)
+    assert sorted(recovered.stored, key=key_text) == keys
+    assert again.get_usage().total_bytes_used == 3 * SLOT
+
+
+def test_cold_hit_is_copied_to_warm_before_the_callers_buffer_is_reused(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    """The copy of a cold hit to warm is written after the load reported
+    (the writer is held back here) and LMCache has reused the buffer: warm
+    must still get the right bytes."""
+    adapter = adapter_factory(
+        **{"warm.capacity_gb": slots(2), "cold.paths": [str(cold_dir)]}
+    )
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    caller = Caller(adapter)
+    keys = [okey(i) for i in range(4)]
+    src = [memory_obj(seed=i) for i in range(4)]
+    assert caller.store(keys[:2], src[:2])
+    assert caller.store(keys[2:], src[2:])
+    cache = cache_of(adapter)
+    assert [cache.tier_of(k) for k in keys] == ["cold"] * 2 + ["warm"] * 2
+    dst = [memory_obj() for _ in range(2)]
+    with cache._store_lock:  # no write, the copies' included, until released
+        assert caller.load(keys[:2], dst) == [0, 1]
+        for obj, want in zip(dst, src, strict=False):
+            assert torch.equal(obj.tensor, want.tensor)
+        for obj in dst:
+            obj.tensor.fill_(0xAB)  # LMCache's L1 reuses the buffers
+    cache.flush()
+    assert [cache.tier_of(k) for k in keys] == ["warm"] * 2 + ["cold"] * 2
+    copies = cache.warm.read_payloads(keys[:2])
+    for payload, obj in zip(copies, src[:2], strict=True):
+        assert payload is not None
+        assert bytes(payload.view) == obj.tensor.numpy().tobytes()
+    assert cache.tiers["cold"].stats.hits == 2
+    assert recorder.deleted == []
+
+
+def test_two_servers_sharing_a_cold_tier(tmp_path: Path, cold_dir: Path) -> None:
+    """Two servers (own warm directories, own host ids) on one cold
+    directory: B finds, pins and loads what A wrote through to cold, then
+    holds its own copy in warm, which its listeners count as stored."""
+    adapters = []
+    try:
+        for host in ("host-a", "host-b"):
+            warm = tmp_path / f"warm-{host}"
+            warm.mkdir()
+            settings = {
+                "cold.paths": [str(cold_dir)],
+                "cold.write": "through",
+                "host_id": host,
+                "slot_mb": CHUNK / 2**20,
+            }
+            adapters.append(TieredL2Adapter(params([warm], **settings)))
+        a, b = adapters
+        keys = [okey(i) for i in range(3)]
+        src = [memory_obj(seed=i) for i in range(3)]
+        assert Caller(a).store(keys, src)
+        assert sorted(os.listdir(cold_dir)) == [
+            f"kv-mp-{h}.{ext}"
+            for h in ("host-a", "host-b")
+            for ext in ("hdr", "lock", "slab")
+        ]
+        recorder = Recorder()
+        b.register_listener(recorder)
+        caller = Caller(b)
+        assert caller.lookup(keys) == []  # not seen yet
+        cache_of(b).shared.refresh()  # what its background thread does every 2 s
+        assert caller.lookup(keys) == [0, 1, 2]
+        dst = [memory_obj() for _ in keys]
+        assert caller.load(keys, dst) == [0, 1, 2]
+        assert all(
+            torch.equal(x.tensor, y.tensor) for x, y in zip(src, dst, strict=True)
+        )
+        cache_b = cache_of(b)
+        cache_b.flush()  # the copies to B's warm tier (write-through: and cold)
+        assert all(cache_b.warm.header(k) is not None for k in keys)
+        assert recorder.stored == keys and recorder.accessed == keys
+        assert b.get_usage().total_bytes_used == 3 * SLOT
+        b.submit_unlock(keys)
+    finally:
+        for adapter in adapters:
+            adapter.close()
+
+
+def store_two_chains(
+    adapter: TieredL2Adapter,
+) -> tuple[list[ObjectKey], list[ObjectKey]]:
+    """Chain A, then chain B, through a warm tier of four slots: A is demoted
+    to cold, B is in warm."""
+    caller = Caller(adapter)
+    first = [okey(i) for i in range(4)]
+    second = [okey(i) for i in range(10, 14)]
+    assert caller.store(first, [memory_obj(seed=i) for i in range(4)])
+    assert caller.store(second, [memory_obj() for _ in second])
+    cache = cache_of(adapter)
+    assert [cache.tier_of(k) for k in first + second] == ["cold"] * 4 + ["warm"] * 4
+    return first, second
+
+
+def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    """A lookup of chain A's head (in cold) makes lookahead plan the head for
+    "hot", which the adapter has not (so: warm), and A's continuation, learned
+    when A was stored, for warm; the promoter copies them from cold, demoting
+    chain B to make room. Nothing leaves L2."""
+    adapter = adapter_factory(
+        **{
+            "warm.capacity_gb": slots(4),
+            "cold.paths": [str(cold_dir)],
+            "warmup.policy": "lookahead",
+        }
+    )
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    first, second = store_two_chains(adapter)
+    cache = cache_of(adapter)
+    assert Caller(adapter).lookup(first[:1]) == [0]
+    wait_until(lambda: all(cache.tier_of(k) == "warm" for k in first))
+    assert [cache.tier_of(k) for k in second] == ["cold"] * 4
+    stats = cache.promoter.stats
+    assert stats.plans == 2 and stats.keys_planned == 4
+    assert stats.bytes_promoted_warm == 4 * CHUNK and stats.bytes_promoted_hot == 0
+    assert adapter.report_status()["warmup"]["bytes_promoted_warm"] == 4 * CHUNK
+    dst = [memory_obj() for _ in first]
+    assert Caller(adapter).load(first, dst) == [0, 1, 2, 3]
+    for i, obj in enumerate(dst):
+        assert torch.equal(obj.tensor, memory_obj(seed=i).tensor)
+    assert recorder.deleted == []
+    adapter.submit_unlock(first[:1])
+
+
+def test_no_warmup_policy_leaves_cold_chunks_in_cold(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    adapter = adapter_factory(
+        **{
+            "warm.capacity_gb": slots(4),
+            "cold.paths": [str(cold_dir)],
+            "warmup.policy": "none",
+        }
+    )
+    first, _ = store_two_chains(adapter)
+    cache = cache_of(adapter)
+    assert Caller(adapter).lookup(first[:1]) == [0]
+    time.sleep(0.3)
+    assert [cache.tier_of(k) for k in first] == ["cold"] * 4
+    assert cache.promoter.stats.plans == 0
+    assert cache.promoter.stats.bytes_promoted_warm == 0
+
+
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        ({"warmup.policy": "psychic"}, "warmup.policy: no warm-up policy named"),
+        (
+            {"warmup.policy": "lookahead", "warmup.lookahead.window_z": 1},
+            "warmup.lookahead.window_z: policy 'lookahead' has no parameter",
+        ),
+        ({"warmup.lookahead.window_s": 0}, "warmup.lookahead.window_s: must be"),
+    ],
+)
+def test_bad_warmup_setting_stops_the_adapter(
+    device_dirs: list[Path], setting: dict[str, Any], error: str
+) -> None:
+    """Checked at start-up although the policy only runs once the slot size
+    is known (no slot_mb here: at the first store)."""
+    setting = {"warmup.policy": "lookahead", **setting}
+    parsed = parse_args_to_l2_adapters_config(
+        argparse.Namespace(l2_adapter=[plugin_json(params(device_dirs, **setting))])
+    )
+    with pytest.raises(ConfigError, match="TieredL2Adapter adapter_params: ") as info:
+        create_l2_adapter(parsed.adapters[0])
+    assert error in str(info.value) and "tiered.warmup." not in str(info.value)
 
 
 def test_event_fds_and_close(adapter_factory: Callable[..., TieredL2Adapter]) -> None:

@@ -11,9 +11,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from lmcache.utils import CacheEngineKey
-
-from lmcache_tiered.keys import key_digest
+from lmcache_tiered.keys import StoreKey, key_digest
 
 #: children remembered per parent (a shared system prompt has several)
 _CHILDREN = 4
@@ -24,12 +22,10 @@ class ChainIndex:
 
     def __init__(self, max_parents: int = 1 << 20) -> None:
         self.max_parents = max_parents
-        self._children: OrderedDict[bytes, OrderedDict[bytes, CacheEngineKey]] = (
-            OrderedDict()
-        )
+        self._children: OrderedDict[bytes, OrderedDict[bytes, StoreKey]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def learn(self, keys: Sequence[CacheEngineKey]) -> None:
+    def learn(self, keys: Sequence[StoreKey]) -> None:
         """Record that each key of ``keys`` follows the one before it."""
         if len(keys) < 2:
             return
@@ -45,9 +41,9 @@ class ChainIndex:
             while len(self._children) > self.max_parents:
                 self._children.popitem(last=False)
 
-    def continuation(self, key: CacheEngineKey, limit: int) -> list[CacheEngineKey]:
+    def continuation(self, key: StoreKey, limit: int) -> list[StoreKey]:
         """Follow the most recent child from ``key``, up to ``limit`` keys."""
-        chain: list[CacheEngineKey] = []
+        chain: list[StoreKey] = []
         digest = key_digest(key)
         with self._lock:
             while len(chain) < limit:

@@ -18,8 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lmcache.utils import CacheEngineKey
-
+from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.warmup.base import (
     TIER_RANK,
     CacheView,
@@ -59,12 +58,12 @@ class _Planner(WarmupPolicy):
         super().__init__(view)
         self._lock = threading.Lock()
         #: key -> (rank of the tier it was planned for, that plan's deadline)
-        self._planned: dict[CacheEngineKey, tuple[int, float]] = {}
+        self._planned: dict[StoreKey, tuple[int, float]] = {}
         self._sweep_at = _SWEEP_MIN
 
     def _plan(
         self,
-        keys: Iterable[CacheEngineKey],
+        keys: Iterable[StoreKey],
         target: Literal["hot", "warm"],
         deadline: float,
     ) -> list[Plan]:
@@ -123,7 +122,7 @@ class LookaheadPolicy(_Planner):
         self.window_s = window_s
         self.continuation_chunks = continuation_chunks
 
-    def on_lookup(self, keys: Sequence[CacheEngineKey], hits: int) -> list[Plan]:
+    def on_lookup(self, keys: Sequence[StoreKey], hits: int) -> list[Plan]:
         if hits <= 0:
             return []
         found = keys[:hits]
@@ -139,7 +138,7 @@ class LookaheadPolicy(_Planner):
 class _Session:
     """A conversation as of its last store: the whole chain and when."""
 
-    chain: tuple[CacheEngineKey, ...]
+    chain: tuple[StoreKey, ...]
     stored_at: float
     #: this conversation's own average gap between a store and its next turn
     gap: float | None
@@ -150,7 +149,7 @@ class _Sighting:
     """One lookup, shared by every key of it (``_seen``): lets a store of new
     keys find the chain head it extends."""
 
-    keys: tuple[CacheEngineKey, ...]
+    keys: tuple[StoreKey, ...]
     gap: float | None
 
 
@@ -199,9 +198,9 @@ class SessionPolicy(_Planner):
         self.max_sessions = max_sessions
         self.max_gap_s = max_gap_s
         #: chain tail -> session, least recently stored first
-        self._sessions: OrderedDict[CacheEngineKey, _Session] = OrderedDict()
+        self._sessions: OrderedDict[StoreKey, _Session] = OrderedDict()
         #: key -> (latest lookup holding it, its position there)
-        self._seen: OrderedDict[CacheEngineKey, tuple[_Sighting, int]] = OrderedDict()
+        self._seen: OrderedDict[StoreKey, tuple[_Sighting, int]] = OrderedDict()
         #: (when, seq, session, target, deadline): a promotion stage falling due
         self._due: list[tuple[float, int, _Session, Literal["hot", "warm"], float]] = []
         self._seq = itertools.count()
@@ -210,7 +209,7 @@ class SessionPolicy(_Planner):
     def _average(self, old: float | None, sample: float) -> float:
         return sample if old is None else old + self.ewma_alpha * (sample - old)
 
-    def on_lookup(self, keys: Sequence[CacheEngineKey], hits: int) -> list[Plan]:
+    def on_lookup(self, keys: Sequence[StoreKey], hits: int) -> list[Plan]:
         now = self.view.now()
         with self._lock:
             gap = None
@@ -230,7 +229,7 @@ class SessionPolicy(_Planner):
                 self._seen.popitem(last=False)
         return []
 
-    def on_store(self, keys: Sequence[CacheEngineKey]) -> list[Plan]:
+    def on_store(self, keys: Sequence[StoreKey]) -> list[Plan]:
         if not keys:
             return []
         now = self.view.now()
@@ -339,16 +338,16 @@ class FrequencyPolicy(_Planner):
         self.admit_after_hits = admit_after_hits
         self.max_keys = max_keys
         #: key -> count, least recently accessed first
-        self._counts: OrderedDict[CacheEngineKey, _Count] = OrderedDict()
+        self._counts: OrderedDict[StoreKey, _Count] = OrderedDict()
         #: keys whose count reached ``warm_after`` (checked each tick), in the
         #: order they did: ties in count keep it, so prefix heads plan first
-        self._popular: dict[CacheEngineKey, None] = {}
+        self._popular: dict[StoreKey, None] = {}
         self._next_scan = float("-inf")
 
     def _decayed(self, count: _Count, now: float) -> float:
         return count.value * 0.5 ** ((now - count.at) / self.half_life_s)
 
-    def _access(self, keys: Iterable[CacheEngineKey]) -> list[Plan]:
+    def _access(self, keys: Iterable[StoreKey]) -> list[Plan]:
         now = self.view.now()
         with self._lock:
             for key in keys:
@@ -367,15 +366,13 @@ class FrequencyPolicy(_Planner):
                 self._popular.pop(self._counts.popitem(last=False)[0], None)
         return []
 
-    def on_hint(
-        self, keys: Sequence[CacheEngineKey], deadline: float | None
-    ) -> list[Plan]:
+    def on_hint(self, keys: Sequence[StoreKey], deadline: float | None) -> list[Plan]:
         return self._access(keys)
 
-    def on_lookup(self, keys: Sequence[CacheEngineKey], hits: int) -> list[Plan]:
+    def on_lookup(self, keys: Sequence[StoreKey], hits: int) -> list[Plan]:
         return self._access(keys)
 
-    def on_hit(self, key: CacheEngineKey, tier: TierName) -> list[Plan]:
+    def on_hit(self, key: StoreKey, tier: TierName) -> list[Plan]:
         return self._access((key,))
 
     def on_tick(self, now: float) -> list[Plan]:
@@ -396,7 +393,7 @@ class FrequencyPolicy(_Planner):
         deadline = now + self.window_s
         return self._plan(hot, "hot", deadline) + self._plan(warm, "warm", deadline)
 
-    def admit(self, key: CacheEngineKey) -> bool:
+    def admit(self, key: StoreKey) -> bool:
         if self.admit_after_hits <= 1:
             return True
         now = self.view.now()
@@ -426,9 +423,7 @@ class HintedPolicy(_Planner):
         _require(window_s > 0, "window_s", "greater than 0", window_s)
         self.window_s = window_s
 
-    def on_hint(
-        self, keys: Sequence[CacheEngineKey], deadline: float | None
-    ) -> list[Plan]:
+    def on_hint(self, keys: Sequence[StoreKey], deadline: float | None) -> list[Plan]:
         cached = list(
             itertools.takewhile(lambda key: self.view.where(key) is not None, keys)
         )

@@ -6,7 +6,9 @@ served meanwhile by a demand read is dropped. Work goes in small units so a
 demand read never waits behind a long warm-up batch, and no unit starts while
 a demand read is running. Promotion to hot allocates from LMCache's CPU tier
 without busy-looping and stops at a byte budget, evicting its own unused
-promotions first.
+promotions first. Without a hot tier (LMCache's multi-process server, where
+the L2 adapter has no CPU tier of its own below LMCache's L1) a plan for hot
+is a plan for warm: the highest tier there is.
 """
 
 from __future__ import annotations
@@ -22,11 +24,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from lmcache_tiered.keys import key_digest
+from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
 from lmcache_tiered.tier import Payload, Tier
 from lmcache_tiered.warmup.base import (
@@ -61,7 +62,7 @@ class _Queued:
     deadline: float
     seq: int
     target: str
-    keys: tuple[CacheEngineKey, ...]
+    keys: tuple[StoreKey, ...]
 
     def __lt__(self, other: _Queued) -> bool:
         return (self.deadline, self.seq) < (other.deadline, other.seq)
@@ -76,6 +77,7 @@ class Promoter:
         policy: WarmupPolicy,
         view: CacheView,
         tiers: dict[TierName, Tier],
+        read_cold: Callable[[list[StoreKey]], list[Payload | None]],
         store: Callable[[list[Payload]], list[bool]],
         hot: LocalCPUBackend | None,
         bandwidth_bytes_s: float | None,
@@ -85,6 +87,7 @@ class Promoter:
         self.policy = policy
         self.view = view
         self.tiers = tiers
+        self.read_cold = read_cold
         self.store = store
         self.hot = hot
         self.bandwidth = bandwidth_bytes_s
@@ -98,7 +101,7 @@ class Promoter:
         self._demand = 0
         self._seq = itertools.count()
         self._next_io = 0.0
-        self._unused_hot: OrderedDict[bytes, tuple[CacheEngineKey, MemoryObj, int]] = (
+        self._unused_hot: OrderedDict[bytes, tuple[StoreKey, MemoryObj, int]] = (
             OrderedDict()
         )
         self._closed = False
@@ -110,16 +113,18 @@ class Promoter:
     # ------------------------------------------------------------- interface
 
     def submit(self, plans: Sequence[Plan]) -> None:
-        """Queue plans (merged with what is queued already)."""
+        """Queue plans (merged with what is queued already); with no hot tier,
+        plans for hot are queued for warm."""
         if not plans:
             return
         with self._cond:
             for plan in plans:
                 self.stats.plans += 1
                 seq = next(self._seq)
+                target = plan.target if self.hot is not None else "warm"
                 fresh = []
                 for key in plan.keys:
-                    slot = (key_digest(key), plan.target)
+                    slot = (key_digest(key), target)
                     if slot not in self._owner:
                         self._owner[slot] = seq
                         fresh.append(key)
@@ -127,12 +132,12 @@ class Promoter:
                     self.stats.keys_planned += len(fresh)
                     heapq.heappush(
                         self._heap,
-                        _Queued(plan.deadline, seq, plan.target, tuple(fresh)),
+                        _Queued(plan.deadline, seq, target, tuple(fresh)),
                     )
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def demand(self, keys: Sequence[CacheEngineKey]) -> Iterator[None]:
+    def demand(self, keys: Sequence[StoreKey]) -> Iterator[None]:
         """Wrap a demand read: no warm-up unit starts until it is done, and its
         keys are dropped from the queue (counted late if they were planned)."""
         digests = [key_digest(k) for k in keys]
@@ -190,7 +195,7 @@ class Promoter:
         except Exception:
             logger.exception("lmcache_tiered: warm-up step failed")
 
-    def _next_unit(self) -> tuple[str, list[CacheEngineKey]] | None:
+    def _next_unit(self) -> tuple[str, list[StoreKey]] | None:
         """Up to UNIT_KEYS keys of the most urgent plan, once no demand read
         runs and the bandwidth budget allows."""
         with self._cond:
@@ -220,16 +225,16 @@ class Promoter:
                 return plan.target, unit
         return None
 
-    def _drop(self, keys: Sequence[CacheEngineKey], target: str) -> None:
+    def _drop(self, keys: Sequence[StoreKey], target: str) -> None:
         for key in keys:
             self._owner.pop((key_digest(key), target), None)
         self.stats.cancelled += len(keys)
 
     # ------------------------------------------------------------------ work
 
-    def _execute(self, target: str, keys: list[CacheEngineKey]) -> None:
+    def _execute(self, target: str, keys: list[StoreKey]) -> None:
         wanted = TIER_RANK["hot" if target == "hot" else "warm"]
-        by_tier: dict[TierName, list[CacheEngineKey]] = {}
+        by_tier: dict[TierName, list[StoreKey]] = {}
         for key in keys:
             where = self.view.where(key)
             if where is None or TIER_RANK[where] >= wanted:
@@ -254,17 +259,20 @@ class Promoter:
                 max(self._next_io, time.monotonic()) + nbytes / self.bandwidth
             )
 
-    def _to_warm(self, keys: list[CacheEngineKey]) -> None:
-        warm, cold = self.tiers.get("warm"), self.tiers.get("cold")
-        if warm is None or cold is None:
+    def _to_warm(self, keys: list[StoreKey]) -> None:
+        """Copy ``keys`` from cold (ours, or another host's shared files) to
+        warm."""
+        if "warm" not in self.tiers:
             return
-        payloads = [p for p in cold.read_payloads(keys) if p is not None]
+        payloads = [p for p in self.read_cold(keys) if p is not None]
+        if not payloads:
+            return
         stored = self.store(payloads)  # demotes what it evicts: nothing is lost
         moved = sum(len(p.view) for p, ok in zip(payloads, stored, strict=True) if ok)
         self.stats.bytes_promoted_warm += moved
         self._spent(moved)
 
-    def _to_hot(self, source: Tier, keys: list[CacheEngineKey]) -> None:
+    def _to_hot(self, source: Tier, keys: list[StoreKey]) -> None:
         hot = self.hot
         if hot is None:
             return
@@ -289,7 +297,7 @@ class Promoter:
         self.stats.bytes_promoted_hot += moved
         self._spent(moved)
 
-    def _track(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+    def _track(self, key: StoreKey, obj: MemoryObj) -> None:
         """Remember an unused promotion; its first lookup pin marks it used."""
         digest, size = key_digest(key), obj.get_size()
         if type(obj) is TensorMemoryObj:
