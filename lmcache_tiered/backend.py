@@ -20,7 +20,6 @@ import asyncio
 import itertools
 import logging
 import math
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -216,7 +215,7 @@ class TieredBackend(StoragePluginInterface):
             if token_ids is None:
                 raise ValueError("hint() needs token_ids or keys")
             keys = self._keys_of(token_ids)
-        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        deadline = None if deadline_s is None else self.cache.now() + deadline_s
         self.cache.hint(keys, deadline)
 
     def _keys_of(self, token_ids: Sequence[int] | torch.Tensor) -> list[CacheEngineKey]:

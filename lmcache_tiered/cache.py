@@ -141,6 +141,10 @@ class TieredCache:
         #: our tiers (written, evicted, dropped as bad, removed); the truth is
         #: :meth:`holds`. The L2 adapter keeps LMCache's accounting with it.
         self.on_change: ChangeCallback | None = None
+        #: how much faster than real time the policies' clock runs: 1 in
+        #: production; a replay that runs N x faster than the server it models
+        #: sets N, so policies' time settings keep their production meaning
+        self.time_scale = 1.0
         self.tiers: dict[TierName, Tier] = {}
         try:
             levels: list[tuple[TierName, TierSettings | None]] = [
@@ -237,7 +241,9 @@ class TieredCache:
         return self.chains.continuation(key, limit)
 
     def now(self) -> float:
-        return time.monotonic()
+        """Seconds on the policies' clock: ``time.monotonic()`` times
+        :attr:`time_scale`."""
+        return time.monotonic() * self.time_scale
 
     # ---------------------------------------------------------------- events
 

@@ -249,6 +249,24 @@ def test_arrival_hints_reach_the_backend(
     assert sorted(hinted) == sorted(blocks.tokens(r).tolist() for r in requests)
 
 
+def test_policies_see_production_seconds(tmp_path: Path) -> None:
+    """The replay runs ``clock`` x faster than the modelled server; a policy's
+    time settings (think-time leads, windows) keep their production meaning."""
+    args = bench_args(tmp_path, session_trace(tmp_path))
+    setup = replay.make_setup(args, replay.load_requests(args))
+    dirs = replay._Dirs.create(setup, "none")
+    engine, backend = replay.build_variant("none", setup, dirs)
+    try:
+        assert backend is not None and backend.cache is not None
+        began_wall, began = time.monotonic(), backend.cache.now()
+        time.sleep(0.05)
+        wall = time.monotonic() - began_wall
+        assert backend.cache.now() - began == pytest.approx(wall * setup.clock, rel=0.2)
+    finally:
+        harness.destroy_engine(engine)
+        dirs.remove()
+
+
 def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     """A closed-loop turn arrives its think time after the previous finished."""
     requests = [
