@@ -177,6 +177,66 @@ def test_hint_over_loopback_promotes_before_lookup(
     wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
 
 
+def test_promotions_stay_pinned_in_hot_until_used(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    """LMCache's CPU tier is an LRU that stores churn: an unpinned promotion
+    would be gone before its request is scheduled."""
+    engine, connector = engine_factory(
+        plugin_extra_config(device_dirs),
+        chunk_size=CHUNK,
+        max_local_cpu_size_gb=8 * CHUNK_BYTES / 2**30,
+    )
+    cache = cache_of(engine)
+    tokens, kv = store(engine, connector, 2, seed=30)
+    keys = harness.chunk_keys(engine, tokens)
+    harness.clear_cpu_tier(engine)
+    cache.promoter.submit([Plan(tuple(keys), "hot", cache.now() + 60)])
+    wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
+    for seed in range(31, 37):  # 12 chunks through an 8-chunk CPU tier
+        store(engine, connector, 2, seed=seed)
+    assert all(cache.where(k) == "hot" for k in keys)
+    reads = cache.warm.stats.hits
+    # as vLLM: the scheduler's lookup pins, the worker retrieves, then unpins
+    assert harness.lookup(engine, tokens, pin=True, lookup_id="req") == 2 * CHUNK
+    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    engine.lookup_unpin("req")
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, kv)
+    assert cache.warm.stats.hits == reads
+    assert cache.promoter.stats.timely == 2
+    # used: the promoter's pins are gone, LMCache may evict them again
+    hot = harness.get_local_cpu_backend(engine)
+    assert hot is not None
+    assert not any(hot.hot_cache[k].is_pinned for k in keys)
+
+
+def test_hot_budget_goes_to_the_earliest_deadline_and_the_rest_waits(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    engine, connector = engine_factory(
+        plugin_extra_config(device_dirs), chunk_size=CHUNK
+    )
+    cache = cache_of(engine)
+    soon, _ = store(engine, connector, 2, seed=40)
+    later, _ = store(engine, connector, 2, seed=41)
+    soon_keys = harness.chunk_keys(engine, soon)
+    later_keys = harness.chunk_keys(engine, later)
+    harness.clear_cpu_tier(engine)
+    cache.promoter.hot_budget = 2 * CHUNK_BYTES
+    now = cache.now()
+    cache.promoter.submit([Plan(tuple(later_keys), "hot", now + 60)])
+    wait_until(lambda: all(cache.where(k) == "hot" for k in later_keys))
+    # needed sooner: takes the budget from the later request's promotions
+    cache.promoter.submit([Plan(tuple(soon_keys), "hot", now + 30)])
+    wait_until(lambda: all(cache.where(k) == "hot" for k in soon_keys))
+    assert [cache.where(k) for k in later_keys] == ["warm", "warm"]
+    # ... which wait in the queue, and come back once the budget frees
+    harness.lookup(engine, soon, pin=True, lookup_id="soon")
+    engine.lookup_unpin("soon")
+    wait_until(lambda: all(cache.where(k) == "hot" for k in later_keys))
+    assert cache.promoter.stats.timely == 2
+
+
 def test_demand_reads_go_before_a_flood_of_warmup(
     engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
 ) -> None:
@@ -193,9 +253,9 @@ def test_demand_reads_go_before_a_flood_of_warmup(
     log: list[tuple[str, str]] = []
     execute = cache.promoter._execute
 
-    def logged_execute(target: str, unit: list[Any]) -> None:
-        log.append(("warmup-start", target))
-        execute(target, unit)
+    def logged_execute(unit: Any) -> None:
+        log.append(("warmup-start", unit.target))
+        execute(unit)
 
     cache.promoter._execute = logged_execute  # type: ignore[method-assign]
     read = cache.warm.read

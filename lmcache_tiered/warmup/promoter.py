@@ -4,11 +4,19 @@ Plans are queued by deadline and merged (a key already queued for a tier is
 not queued twice); a key past its deadline, already in its target tier, or
 served meanwhile by a demand read is dropped. Work goes in small units so a
 demand read never waits behind a long warm-up batch, and no unit starts while
-a demand read is running. Promotion to hot allocates from LMCache's CPU tier
-without busy-looping and stops at a byte budget, evicting its own unused
-promotions first. Without a hot tier (LMCache's multi-process server, where
-the L2 adapter has no CPU tier of its own below LMCache's L1) a plan for hot
-is a plan for warm: the highest tier there is.
+a demand read is running.
+
+Promotion to hot allocates from LMCache's CPU tier without busy-looping and
+pins each promoted chunk until it is used or its plan's deadline passes:
+LMCache's CPU tier is an LRU that every store and retrieve churns, and an
+unpinned promotion would be evicted before the request it was made for is
+scheduled. Pinned promotions stay within a byte budget; when it is full, a
+promotion needed sooner takes the place of those needed later, and the rest
+wait (queued, not dropped) until a promotion is used or expires.
+
+Without a hot tier (LMCache's multi-process server, where the L2 adapter
+has no CPU tier of its own below LMCache's L1) a plan for hot is a plan for
+warm: the highest tier there is.
 """
 
 from __future__ import annotations
@@ -19,9 +27,8 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
@@ -46,15 +53,34 @@ UNIT_KEYS = 8
 
 class _PromotedObj(TensorMemoryObj):
     """A chunk the promoter put in the hot tier. LMCache pins a hot chunk when
-    a lookup finds it, so the first pin tells the promoter it was used."""
+    a lookup finds it, so the first pin after the promoter's own tells the
+    promoter it was used."""
 
     on_first_pin: Callable[[], None] | None
 
     def pin(self) -> bool:
+        pinned = super().pin()  # first, so the chunk is never left unpinned
         callback, self.on_first_pin = self.on_first_pin, None
         if callback is not None:
             callback()
-        return super().pin()
+        return pinned
+
+
+@dataclass(slots=True)
+class _Promotion:
+    """A chunk promoted to hot and not yet used."""
+
+    key: StoreKey
+    obj: MemoryObj
+    size: int
+    deadline: float
+    #: held by the promoter (counts against the budget) until used or expired
+    pinned: bool = True
+
+    def release(self) -> None:
+        if self.pinned:
+            self.pinned = False
+            self.obj.unpin()
 
 
 @dataclass(slots=True)
@@ -95,15 +121,18 @@ class Promoter:
         self.tick_s = tick_s
         self.stats = WarmupStats()
         self._cond = threading.Condition()
-        self._heap: list[_Queued] = []
+        #: queued plans per target tier, most urgent first
+        self._heaps: dict[str, list[_Queued]] = {"hot": [], "warm": []}
         self._owner: dict[tuple[bytes, str], int] = {}
         self._inflight: set[bytes] = set()
         self._demand = 0
         self._seq = itertools.count()
         self._next_io = 0.0
-        self._unused_hot: OrderedDict[bytes, tuple[StoreKey, MemoryObj, int]] = (
-            OrderedDict()
-        )
+        #: unused promotions to hot, by key digest
+        self._promoted: dict[bytes, _Promotion] = {}
+        #: the hot budget is full of promotions needed sooner: hot plans wait
+        #: until one is used or expires (checked again every tick)
+        self._hot_full = False
         self._closed = False
         self._thread = threading.Thread(
             target=self._run, name="lmcache-tiered-warmup", daemon=True
@@ -130,10 +159,8 @@ class Promoter:
                         fresh.append(key)
                 if fresh:
                     self.stats.keys_planned += len(fresh)
-                    heapq.heappush(
-                        self._heap,
-                        _Queued(plan.deadline, seq, target, tuple(fresh)),
-                    )
+                    queued = _Queued(plan.deadline, seq, target, tuple(fresh))
+                    heapq.heappush(self._heaps[target], queued)
             self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -157,10 +184,15 @@ class Promoter:
                 self._cond.notify_all()
 
     def close(self) -> None:
+        """Stop the thread and release the promoter's pins."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        with self._cond:
+            promoted, self._promoted = list(self._promoted.values()), {}
+        for promotion in promoted:
+            promotion.release()
 
     # ---------------------------------------------------------------- thread
 
@@ -168,7 +200,7 @@ class Promoter:
         next_tick = time.monotonic()
         while True:
             with self._cond:
-                while not self._closed and not self._heap:
+                while not self._closed and not self._runnable():
                     timeout = next_tick - time.monotonic()
                     if timeout <= 0:
                         break
@@ -181,12 +213,19 @@ class Promoter:
                 self._guard(self._tick, now)
             unit = self._next_unit()
             if unit is not None:
-                self._guard(self._execute, *unit)
+                self._guard(self._execute, unit)
                 with self._cond:
                     self._inflight.clear()
 
     def _tick(self, now: float) -> None:
-        self.submit(self.policy.on_tick(now))
+        with self._cond:
+            self._hot_full = False  # promotions may have expired or been evicted
+        self.submit(self.policy.on_tick(self.view.now()))
+
+    def _runnable(self) -> bool:
+        return bool(self._heaps["warm"]) or (
+            bool(self._heaps["hot"]) and not self._hot_full
+        )
 
     def _guard(self, work: Callable[..., None], *args: Any) -> None:
         """A failing policy or promotion is logged, never kills the thread."""
@@ -195,35 +234,54 @@ class Promoter:
         except Exception:
             logger.exception("lmcache_tiered: warm-up step failed")
 
-    def _next_unit(self) -> tuple[str, list[StoreKey]] | None:
-        """Up to UNIT_KEYS keys of the most urgent plan, once no demand read
-        runs and the bandwidth budget allows."""
+    def _next_unit(self) -> _Queued | None:
+        """Up to UNIT_KEYS keys of the most urgent runnable plan, once no
+        demand read runs."""
         with self._cond:
             while self._demand and not self._closed:
                 self._cond.wait(0.05)
-            now = time.monotonic()
-            while self._heap:
-                plan = self._heap[0]
+            now = self.view.now()
+            targets = ["warm"] if self._hot_full else ["hot", "warm"]
+            while True:
+                heads = [self._heaps[t][0] for t in targets if self._heaps[t]]
+                if not heads:
+                    return None
+                plan = min(heads)
+                heap = self._heaps[plan.target]
                 keys = [
                     k
                     for k in plan.keys
                     if self._owner.get((key_digest(k), plan.target)) == plan.seq
                 ]
                 if not keys or plan.deadline < now:
-                    heapq.heappop(self._heap)
+                    heapq.heappop(heap)
                     self._drop(keys, plan.target)
                     continue
                 unit, rest = keys[:UNIT_KEYS], keys[UNIT_KEYS:]
                 if rest:
                     plan.keys = tuple(rest)
                 else:
-                    heapq.heappop(self._heap)
+                    heapq.heappop(heap)
                 for key in unit:
                     digest = key_digest(key)
                     del self._owner[(digest, plan.target)]
                     self._inflight.add(digest)
-                return plan.target, unit
-        return None
+                return _Queued(plan.deadline, plan.seq, plan.target, tuple(unit))
+
+    def _requeue(self, unit: _Queued) -> None:
+        """Put a unit that found no room in the hot budget back in the queue
+        (keys planned again meanwhile stay with that newer plan)."""
+        with self._cond:
+            keys = []
+            for key in unit.keys:
+                slot = (key_digest(key), unit.target)
+                if slot not in self._owner:
+                    self._owner[slot] = unit.seq
+                    keys.append(key)
+            if keys:
+                queued = _Queued(unit.deadline, unit.seq, unit.target, tuple(keys))
+                heapq.heappush(self._heaps[unit.target], queued)
+            self._hot_full = True
 
     def _drop(self, keys: Sequence[StoreKey], target: str) -> None:
         for key in keys:
@@ -232,10 +290,11 @@ class Promoter:
 
     # ------------------------------------------------------------------ work
 
-    def _execute(self, target: str, keys: list[StoreKey]) -> None:
+    def _execute(self, unit: _Queued) -> None:
+        target = unit.target
         wanted = TIER_RANK["hot" if target == "hot" else "warm"]
         by_tier: dict[TierName, list[StoreKey]] = {}
-        for key in keys:
+        for key in unit.keys:
             where = self.view.where(key)
             if where is None or TIER_RANK[where] >= wanted:
                 self.stats.cancelled += 1
@@ -245,8 +304,8 @@ class Promoter:
             self._throttle()
             if target == "warm":
                 self._to_warm(source_keys)
-            else:
-                self._to_hot(self.tiers[source], source_keys)
+            elif not self._to_hot(self.tiers[source], source_keys, unit.deadline):
+                self._requeue(replace(unit, keys=tuple(source_keys)))
 
     def _throttle(self) -> None:
         delay = self._next_io - time.monotonic()
@@ -272,23 +331,27 @@ class Promoter:
         self.stats.bytes_promoted_warm += moved
         self._spent(moved)
 
-    def _to_hot(self, source: Tier, keys: list[StoreKey]) -> None:
+    def _to_hot(self, source: Tier, keys: list[StoreKey], deadline: float) -> bool:
+        """Read ``keys`` into LMCache's CPU tier, pinned until used or
+        ``deadline``; False (nothing done) when the budget has no room."""
         hot = self.hot
         if hot is None:
-            return
+            return True
         need = sum(h.payload_size for k in keys if (h := source.header(k)) is not None)
-        if not self._make_room(need):
+        if need > self.hot_budget:
             self.stats.cancelled += len(keys)
-            return
+            return True
+        if not self._make_room(need, deadline):
+            return False
         objs = source.read(
             keys,
             lambda h: hot.allocate(h.shape, h.dtype, h.fmt, busy_loop=False),
         )
         found = [(k, o) for k, o in zip(keys, objs, strict=True) if o is not None]
         if not found:
-            return
+            return True
         for key, obj in found:
-            self._track(key, obj)
+            self._track(key, obj, deadline)
         hot.batched_submit_put_task([k for k, _ in found], [o for _, o in found])
         moved = 0
         for _, obj in found:
@@ -296,45 +359,66 @@ class Promoter:
             obj.ref_count_down()  # the hot tier holds its own reference now
         self.stats.bytes_promoted_hot += moved
         self._spent(moved)
+        return True
 
-    def _track(self, key: StoreKey, obj: MemoryObj) -> None:
-        """Remember an unused promotion; its first lookup pin marks it used."""
-        digest, size = key_digest(key), obj.get_size()
+    def _track(self, key: StoreKey, obj: MemoryObj, deadline: float) -> None:
+        """Pin a promotion; its first lookup pin marks it used."""
+        digest = key_digest(key)
+        obj.pin()  # before the hot tier sees it: its LRU must not take it
         if type(obj) is TensorMemoryObj:
             obj.__class__ = _PromotedObj
             assert isinstance(obj, _PromotedObj)
             obj.on_first_pin = lambda: self._used(digest)
         with self._cond:
-            self._unused_hot[digest] = (key, obj, size)
+            self._promoted[digest] = _Promotion(key, obj, obj.get_size(), deadline)
 
     def _used(self, digest: bytes) -> None:
         with self._cond:
-            entry = self._unused_hot.pop(digest, None)
-            if entry is not None:
-                self.stats.timely += 1
-                self.stats.bytes_used += entry[2]
+            promotion = self._promoted.pop(digest, None)
+            if promotion is None:
+                return
+            self.stats.timely += 1
+            self.stats.bytes_used += promotion.size
+            self._hot_full = False
+            self._cond.notify_all()
+        promotion.release()  # the lookup holds its own pin now
 
-    def _make_room(self, need: int) -> bool:
-        """Keep unused promotions within the hot budget: forget those LMCache
-        evicted, then evict our oldest unused ones. False if it cannot fit."""
+    def _make_room(self, need: int, deadline: float) -> bool:
+        """Fit ``need`` more pinned bytes in the hot budget: unpin expired
+        promotions, forget those LMCache dropped, then evict promotions
+        needed later than ``deadline``, latest first. False if it cannot fit."""
         hot = self.hot
         assert hot is not None
-        if need > self.hot_budget:
-            return False
+        now = self.view.now()
         with self._cond:
-            tracked = list(self._unused_hot.items())
-        used = 0
-        for digest, (key, _, size) in tracked:
-            if not hot.contains(key):
+            promoted = list(self._promoted.items())
+        pinned: list[_Promotion] = []
+        for digest, promotion in promoted:
+            if not hot.contains(promotion.key):
                 with self._cond:
-                    self._unused_hot.pop(digest, None)
-            else:
-                used += size
-        for digest, (key, obj, size) in tracked:
+                    self._promoted.pop(digest, None)
+                promotion.release()
+            elif promotion.pinned and promotion.deadline < now:
+                promotion.release()  # still cached, now LMCache's to evict
+            elif promotion.pinned:
+                pinned.append(promotion)
+        used = sum(p.size for p in pinned)
+        later = sorted(
+            (p for p in pinned if p.deadline > deadline), key=lambda p: -p.deadline
+        )
+        displaced: dict[float, list[StoreKey]] = {}
+        for promotion in later:
             if used + need <= self.hot_budget:
                 break
-            if digest in self._unused_hot and not obj.is_pinned and hot.remove(key):
+            promotion.release()
+            if promotion.obj.is_pinned:
+                continue  # a lookup holds it: it is being used
+            if hot.remove(promotion.key):
                 with self._cond:
-                    self._unused_hot.pop(digest, None)
-                used -= size
+                    self._promoted.pop(key_digest(promotion.key), None)
+                displaced.setdefault(promotion.deadline, []).append(promotion.key)
+            used -= promotion.size
+        # displaced promotions are still wanted: they wait for room again
+        for when, keys in displaced.items():
+            self._requeue(_Queued(when, next(self._seq), "hot", tuple(keys)))
         return used + need <= self.hot_budget
