@@ -407,13 +407,17 @@ class FrequencyPolicy(_Planner):
 
 class HintedPolicy(_Planner):
     """On an arrival hint, promote the request's cached prefix to hot while
-    the request waits in vLLM's queue.
+    the request waits in vLLM's queue, and its cold part to warm.
 
     The prefix is the keys stored somewhere, contiguous from the head (a
     chunk after the first miss is useless to LMCache). The deadline is the
-    hint's, or ``window_s`` from now. Helps when requests queue longer than a
-    cold read (load bursts, long prefill ahead of them) and something sends
-    hints (the vLLM plugin, a router); does nothing without hints.
+    hint's, or ``window_s`` from now. The hot budget holds only the prefixes
+    of the next few requests (the promoter serves the earliest deadlines
+    first); the copy of the cold part to warm, planned first, keeps a slow
+    cold read off the critical path of the requests queued behind them.
+    Helps when requests queue longer than a cold read (load bursts, long
+    prefill ahead of them) and something sends hints (the vLLM plugin, a
+    router); does nothing without hints.
     """
 
     name = "hinted"
@@ -429,4 +433,7 @@ class HintedPolicy(_Planner):
         )
         if deadline is None:
             deadline = self.view.now() + self.window_s
-        return self._plan(cached, "hot", deadline)
+        # warm first: planned for hot, a key would not be planned for warm
+        return self._plan(cached, "warm", deadline) + self._plan(
+            cached, "hot", deadline
+        )
