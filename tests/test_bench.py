@@ -249,6 +249,20 @@ def test_arrival_hints_reach_the_backend(
     assert sorted(hinted) == sorted(blocks.tokens(r).tolist() for r in requests)
 
 
+def test_baseline_gets_local_capacity_only_when_cold_is_remote(
+    tmp_path: Path,
+) -> None:
+    trace_path = session_trace(tmp_path)
+    for extra, remote in (((), False), (("--cold-link", "2,1"), True)):
+        args = bench_args(
+            tmp_path, trace_path, "--warm-gb", "1", "--cold-gb", "3", *extra
+        )
+        setup = replay.make_setup(args, replay.load_requests(args))
+        assert setup.baseline_disk_gb == (1.0 if remote else 4.0)
+        config = replay.engine_config(replay.LOCAL_DISK, setup, replay._Dirs([], []))
+        assert config.max_local_disk_size == setup.baseline_disk_gb
+
+
 def test_policies_see_production_seconds(tmp_path: Path) -> None:
     """The replay runs ``clock`` x faster than the modelled server; a policy's
     time settings (think-time leads, windows) keep their production meaning."""

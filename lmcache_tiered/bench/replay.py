@@ -142,6 +142,14 @@ class Setup:
         return self.shape.kv_scale
 
     @property
+    def baseline_disk_gb(self) -> float:
+        """Capacity of the stock LocalDiskBackend baseline: as much as warm
+        and cold together (it never loses a chunk the plugin keeps), but with
+        a remote cold tier only the warm tier's: the stock backend has the
+        local NVMe only (the remote tier is what the plugin adds)."""
+        return self.warm_gb + (self.cold_gb if self.cold_link is None else 0.0)
+
+    @property
     def chunk_bytes(self) -> int:
         return self.shape.chunk_bytes(CHUNK_TOKENS)
 
@@ -292,9 +300,7 @@ def engine_config(name: str, setup: Setup, dirs: _Dirs) -> LMCacheEngineConfig:
         return harness.build_config(
             **memory,
             local_disk=",".join(dirs.warm),
-            # as much as warm and cold together: it never loses a chunk that
-            # the plugin keeps
-            max_local_disk_size_gb=setup.warm_gb + setup.cold_gb,
+            max_local_disk_size_gb=setup.baseline_disk_gb,
             # O_DIRECT, as the plugin: the page cache must not serve reads
             extra_config={"use_odirect": True},
         )
@@ -980,6 +986,9 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
             f" ({setup.warm_gb:.1f} GiB), cold {cold}, io engine "
             f"{setup.io_engine}{link}; "
             f"concurrency {setup.concurrency}",
+            f"baseline: LMCache LocalDiskBackend on the warm directories, "
+            f"{setup.baseline_disk_gb:.1f} GiB"
+            + (" (local NVMe only: the cold tier is remote)" if link else ""),
         ]
     )
 
