@@ -59,6 +59,18 @@ def _hint_port(base: int, metadata: LMCacheMetadata | None) -> int:
     return base + metadata.local_worker_id
 
 
+def pinned_pool(hot: LocalCPUBackend) -> tuple[int, int] | None:
+    """(address, bytes) of LMCache's CPU pool if it is page-locked memory (as
+    on GPU hosts), else None. Registering a pageable pool as io_uring fixed
+    buffers would commit all of it at start-up; a pinned one already is."""
+    buffer = getattr(getattr(hot, "memory_allocator", None), "buffer", None)
+    if not isinstance(buffer, torch.Tensor) or not buffer.numel():
+        return None
+    if buffer.device.type != "cpu" or not buffer.is_pinned():
+        return None
+    return buffer.data_ptr(), buffer.numel() * buffer.element_size()
+
+
 class TieredBackend(StoragePluginInterface):
     """Striped NVMe tiers and warm-up behind LMCache's storage-plugin interface.
 
@@ -89,6 +101,9 @@ class TieredBackend(StoragePluginInterface):
             )
             if local_cpu_backend is not None:
                 self.cache = self._open_cache(metadata, local_cpu_backend)
+                pool = pinned_pool(local_cpu_backend)
+                if pool is not None:
+                    self.cache.register_memory(*pool)
                 if self.settings.hint_port >= 0:
                     self.hint_server = HintServer(
                         port=_hint_port(self.settings.hint_port, metadata),

@@ -30,6 +30,7 @@ tier and puts go to the tiers that work.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import queue
@@ -310,6 +311,16 @@ class TieredCache:
         """Length of the prefix of ``keys`` held in warm or cold (pinned on
         request, recency refreshed); the policy sees the whole lookup."""
         return sum(self.lookup(keys, pin, prefix=True))
+
+    def register_memory(self, address: int, nbytes: int) -> None:
+        """Register memory that reads land in (LMCache's CPU pool, the L1
+        arena) with each io_uring engine as fixed buffers: no page pinning
+        per request. The memory must stay mapped while the tiers are open."""
+        region = memoryview((ctypes.c_ubyte * nbytes).from_address(address))
+        for tier in self.tiers.values():
+            register = getattr(tier.engine, "register_buffers", None)
+            if register is not None:
+                register([region])
 
     def stored_keys(self) -> list[StoreKey]:
         keys = {k: None for t in self.tiers.values() for k in t.stored_keys()}

@@ -48,7 +48,6 @@ its promoter. This module only translates LMCache's L2 protocol (lmcache
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
@@ -317,8 +316,10 @@ class TieredL2Adapter(L2AdapterInterface):
             local_workers=1,
             hot=None,  # LMCache's L1 is above us; loads bring their buffers
         )
-        for tier in cache.tiers.values():
-            self._register_l1(tier)
+        desc = self._l1_memory_desc
+        if desc is not None and desc.stable_registration_size:
+            # LMCache says the L1 arena stays put: fixed buffers for loads
+            cache.register_memory(desc.ptr, desc.stable_registration_size)
         self._charge = charge = cache.warm.geometry.slot_disk_bytes
         recovered = [k for k in cache.stored_keys() if isinstance(k, ObjectKey)]
         # seeded quietly, as LMCache's raw-block adapter does
@@ -330,16 +331,6 @@ class TieredL2Adapter(L2AdapterInterface):
                 salts[key.cache_salt] = salts.get(key.cache_salt, 0) + charge
         cache.on_change = lambda keys: self._reconcile(cache, keys)
         self.cache = cache
-
-    def _register_l1(self, tier: Tier) -> None:
-        """Register LMCache's L1 arena with an io_uring engine (fixed buffers:
-        no page pinning per read) where LMCache says the range is stable."""
-        desc = self._l1_memory_desc
-        register = getattr(tier.engine, "register_buffers", None)
-        if desc is None or not desc.stable_registration_size or register is None:
-            return
-        arena = (ctypes.c_ubyte * desc.stable_registration_size).from_address(desc.ptr)
-        register([memoryview(arena)])
 
     def _reconcile(self, cache: TieredCache, keys: Sequence[StoreKey]) -> None:
         """Tell LMCache's listeners and usage counters which of ``keys``

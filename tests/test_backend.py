@@ -15,7 +15,8 @@ import pytest
 import torch
 from conftest import ENGINES, plugin_extra_config
 
-from lmcache_tiered.backend import TieredBackend
+import lmcache_tiered.backend as backend_module
+from lmcache_tiered.backend import TieredBackend, pinned_pool
 from lmcache_tiered.bench import harness
 from lmcache_tiered.tier import Tier
 
@@ -209,3 +210,41 @@ def test_get_non_blocking_returns_a_future_of_the_chunk(
     assert torch.equal(obj.tensor, cpu.hot_cache[key].tensor)
     obj.ref_count_down()
     assert backend.get_non_blocking(harness_key(999)) is None
+
+
+def test_a_pageable_cpu_pool_is_not_registered(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    """On a CPU-only host LMCache's pool is pageable: pinning all of it for
+    io_uring would commit it at start-up, so it is left alone."""
+    engine, _ = engine_factory(plugin_extra_config(device_dirs, io_engine="uring"))
+    hot = harness.get_local_cpu_backend(engine)
+    assert hot is not None and pinned_pool(hot) is None
+
+
+def test_pinned_cpu_pool_serves_reads_as_fixed_buffers(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LMCache's pool is page-locked on GPU hosts; pinned host memory needs
+    CUDA, so here the pageable pool stands in for it (the only stand-in)."""
+
+    def whole_pool(hot: Any) -> tuple[int, int]:
+        buffer = hot.memory_allocator.buffer
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
+
+    monkeypatch.setattr(backend_module, "pinned_pool", whole_pool)
+    engine, connector = engine_factory(
+        plugin_extra_config(device_dirs, io_engine="uring"), max_local_cpu_size_gb=0.1
+    )
+    ring = warm_tier(tiered(engine)).engine
+    tokens = harness.make_tokens(3 * 256, seed=5)
+    kv = harness.make_kv(connector, 3 * 256, seed=6)
+    harness.store_tokens(engine, tokens, kv)
+    harness.wait_for_puts(engine, tokens)
+    assert harness.clear_cpu_tier(engine) == 0
+    fixed = ring.stats()["fixed"]
+    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 3 * 256 and torch.equal(out, kv)
+    assert ring.stats()["fixed"] > fixed  # the reads went out as readv_fixed
