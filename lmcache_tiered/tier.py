@@ -1093,6 +1093,12 @@ class Tier:
     # ------------------------------------------------------------------ close
 
     @property
+    def slab_paths(self) -> list[str]:
+        """The data files, one per device (a raw read of them is the
+        ceiling for reading this tier)."""
+        return self._names[: self._header_file]
+
+    @property
     def header_path(self) -> str:
         """The header file: one per owner, so it names the owner's files."""
         return self._names[self._header_file]

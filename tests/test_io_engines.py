@@ -395,3 +395,39 @@ def test_fio_read_gbps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert gbps is not None and gbps > 0
     monkeypatch.setattr(rawio.shutil, "which", lambda name: None)
     assert rawio.fio_read_gbps([str(tmp_path)], 16 * ALIGN, 16 * ALIGN) is None
+
+
+def test_diskbench_smoke(tmp_path: Path) -> None:
+    """Every column measured over two placements (tiny: a smoke test of the
+    machinery, not a speed figure); the tiered data was read from disk."""
+    from lmcache_tiered.bench import diskbench
+    from lmcache_tiered.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "diskbench",
+            "--workdir",
+            str(tmp_path),
+            "--chunk-mb",
+            "1",
+            "--total-gb",
+            "0.03",
+            "--placements",
+            "2",
+            "--rounds",
+            "1",
+        ]
+    )
+    result = diskbench.run(args)
+    assert result["chunks"] == 32 and result["placements"] == 2
+    first, second = result["per_placement"]
+    assert first["fill_order"][1:] + first["fill_order"][:1] == second["fill_order"]
+    for key in (
+        "device_ceiling_gbps",
+        "lmcache_local_disk_read_gbps",
+        "tiered_read_gbps",
+        "tiered_write_gbps",
+    ):
+        assert result[key] > 0, key
+    assert result["paired_ratios"]["tiered_vs_local_disk"] > 0
+    assert list(tmp_path.iterdir()) == []  # every placement's files removed

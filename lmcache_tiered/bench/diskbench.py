@@ -1,15 +1,22 @@
 """``lmcache-tiered diskbench``: cold-read bandwidth of each way to store KV.
 
-In one run, on the same paths and the same chunks, interleaved round by round
-(the disk's speed drifts over minutes, so A B A B and medians):
+In one run, on the same paths and the same chunks:
 
-1. the device ceiling: fio (io_uring, O_DIRECT, iodepth 32), else our raw loop;
+1. the device ceiling: fio (io_uring, O_DIRECT, iodepth 32) over the very
+   blocks that hold the tiered data (its slab files), else our raw loop;
 2. LMCache's stock ``LocalDiskBackend`` (``use_odirect: true``);
 3. LMCache's ``RustRawBlockBackend`` on a file, when its package is installed;
 4. ``TieredBackend``.
 
 2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
 CPU tier is emptied and the page cache dropped, so every byte comes from disk.
+
+Where data lands matters as much as how it is read: on the development VM
+two identical TieredBackends read their files at 2.2 and 1.1 GB/s, each
+steadily, depending only on the blocks their files got. So the comparison
+is repeated over ``--placements`` fresh sets of files (filled in a rotated
+order), with ``--rounds`` interleaved cold rounds on each; figures are
+medians over all rounds, and ratios are taken round by round.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -93,8 +100,10 @@ def contenders(
     else:
         device = os.path.join(work, "rust_raw_block.img")
         capacity = int(total_gb * 2**30)
+        # its metadata region must fit well inside the capacity
+        meta = min(64 << 20, capacity // 4 >> 20 << 20)
         with open(device, "wb") as f:
-            f.truncate(capacity + (64 << 20))
+            f.truncate(capacity + meta)
         found.append(
             Contender(
                 "rust_raw_block",
@@ -105,7 +114,7 @@ def contenders(
                     "storage_plugin.rrb.class_name": "RustRawBlockBackend",
                     "rust_raw_block.device_path": device,
                     "rust_raw_block.capacity_bytes": capacity,
-                    "rust_raw_block.meta_total_bytes": 64 << 20,
+                    "rust_raw_block.meta_total_bytes": meta,
                     "rust_raw_block.use_odirect": True,
                     "rust_raw_block.io_engine": "io_uring",
                 },
@@ -168,77 +177,150 @@ def storage_bytes_read() -> int:
     return int(fields["read_bytes"])
 
 
-def ceiling(paths: list[str], chunk_bytes: int, total_bytes: int) -> tuple[float, str]:
+def ceiling(files: list[str], chunk_bytes: int, total_bytes: int) -> tuple[float, str]:
+    """Raw read GB/s of up to ``total_bytes`` of ``files`` (the tiered slabs:
+    never written here, so at most what the shortest one holds, per file)."""
+    per_file = min(os.path.getsize(name) for name in files) // chunk_bytes
+    total_bytes = min(total_bytes, per_file * chunk_bytes * len(files))
     drop_page_cache()
-    fio = fio_read_gbps(paths, chunk_bytes, total_bytes)
+    fio = fio_read_gbps(files, chunk_bytes, total_bytes)
     if fio is not None:
         return fio, "fio io_uring iodepth=32"
     drop_page_cache()
-    return raw_read_gbps(paths, chunk_bytes, total_bytes), "lmcache-tiered raw loop"
+    return raw_read_gbps(files, chunk_bytes, total_bytes), "lmcache-tiered raw loop"
+
+
+#: JSON field of each contender's read GB/s
+FIELD_OF = {
+    "lmcache_local_disk": "lmcache_local_disk_read_gbps",
+    "rust_raw_block": "rust_raw_block_read_gbps",
+    "tiered": "tiered_read_gbps",
+}
+
+
+@dataclass
+class Placement:
+    """One fresh set of files for every contender, and its rounds."""
+
+    fill_order: list[str]
+    ceiling_gbps: list[float] = field(default_factory=list)
+    read_gbps: dict[str, list[float]] = field(default_factory=dict)
+    write_gbps: dict[str, float] = field(default_factory=dict)
+
+
+def run_placement(
+    index: int, args: argparse.Namespace, chunk_bytes: int, n_requests: int
+) -> tuple[Placement, str, str]:
+    """Fill fresh files (contenders rotated by ``index``), then read them in
+    ``args.rounds`` interleaved cold rounds. Returns the placement, the
+    ceiling's method and the tiered engine's name."""
+    work = tempfile.mkdtemp(prefix="lmcache-tiered-diskbench-", dir=args.workdir)
+    bases = args.paths.split(",") if args.paths else [work]
+    paths = [tempfile.mkdtemp(prefix="nvme-", dir=base) for base in bases]
+    try:
+        runs = contenders(paths, work, args)
+        shift = index % len(runs)
+        runs = runs[shift:] + runs[:shift]
+        placement = Placement([c.name for c in runs])
+        for contender in runs:
+            progress(f"placement {index + 1}: storing through {contender.name}")
+            fill(contender, chunk_bytes, n_requests)
+            assert contender.write_gbps is not None
+            placement.write_gbps[contender.name] = contender.write_gbps
+        tiered = next(c for c in runs if c.name == "tiered")
+        warm = harness.get_backends(tiered.engine)["tiered"].cache.warm
+        slabs = warm.slab_paths
+        total_bytes = n_requests * REQUEST_CHUNKS * chunk_bytes
+        method = ""
+        for round_ in range(args.rounds):
+            progress(f"placement {index + 1}: round {round_ + 1}/{args.rounds}")
+            gbps, method = ceiling(slabs, chunk_bytes, total_bytes)
+            placement.ceiling_gbps.append(gbps)
+            for contender in runs:
+                placement.read_gbps.setdefault(contender.name, []).append(
+                    read_round(contender, chunk_bytes)
+                )
+        return placement, method, warm.engine.name
+    finally:
+        harness.destroy_all_engines()
+        shutil.rmtree(work, ignore_errors=True)
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def paired_median(
+    placements: list[Placement], over: str, under: str | None = None
+) -> float | None:
+    """Median over all rounds of ``over``'s GB/s divided by ``under``'s (or
+    the ceiling's) in the same round."""
+    ratios = [
+        a / b
+        for p in placements
+        if over in p.read_gbps and (under is None or under in p.read_gbps)
+        for a, b in zip(
+            p.read_gbps[over],
+            p.ceiling_gbps if under is None else p.read_gbps[under],
+            strict=True,
+        )
+    ]
+    return statistics.median(ratios) if ratios else None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     chunk_bytes = args.chunk_mb << 20
     n_requests = max(1, round(args.total_gb * 2**30 / (REQUEST_CHUNKS * chunk_bytes)))
-    total_bytes = n_requests * REQUEST_CHUNKS * chunk_bytes
-    owned = args.paths is None
-    work = tempfile.mkdtemp(prefix="lmcache-tiered-diskbench-", dir=args.workdir)
-    paths = args.paths.split(",") if args.paths else [os.path.join(work, "nvme0")]
-    for path in paths:
-        os.makedirs(path, exist_ok=True)
-    field_of = {
-        "lmcache_local_disk": "lmcache_local_disk_read_gbps",
-        "rust_raw_block": "rust_raw_block_read_gbps",
-        "tiered": "tiered_read_gbps",
-    }
-    try:
-        runs = contenders(paths, work, args)
-        for contender in runs:
-            progress(f"storing {total_bytes / 2**30:.1f} GiB through {contender.name}")
-            fill(contender, chunk_bytes, n_requests)
-        ceilings: list[float] = []
-        method = ""
-        for round_ in range(args.rounds):
-            progress(f"round {round_ + 1}/{args.rounds}")
-            gbps, method = ceiling(paths, chunk_bytes, total_bytes)
-            ceilings.append(gbps)
-            for contender in runs:
-                contender.read_gbps.append(read_round(contender, chunk_bytes))
-        tiered = next(c for c in runs if c.name == "tiered")
-        backend = harness.get_backends(tiered.engine)["tiered"]
-        io_engine = backend.cache.warm.engine.name
-        result: dict[str, Any] = {
-            "device_ceiling_gbps": statistics.median(ceilings),
-            "device_ceiling_method": method,
-            "lmcache_local_disk_read_gbps": None,
-            "rust_raw_block_read_gbps": None,
-            "tiered_read_gbps": None,
-            "tiered_write_gbps": tiered.write_gbps,
-            "chunk_mb": args.chunk_mb,
-            "chunks": n_requests * REQUEST_CHUNKS,
-            "paths": paths,
-            "io_engine": io_engine,
-            "rounds": args.rounds,
-            "per_round_gbps": {"device_ceiling": ceilings}
-            | {c.name: c.read_gbps for c in runs},
-            "disk_bytes_per_served_byte": {c.name: c.disk_share for c in runs},
-        }
-        for contender in runs:
-            result[field_of[contender.name]] = statistics.median(contender.read_gbps)
-        if args.mp:
-            from lmcache_tiered.bench.mpbench import mp_read_gbps
+    placements: list[Placement] = []
+    method = io_engine = ""
+    for index in range(args.placements):
+        placement, method, io_engine = run_placement(
+            index, args, chunk_bytes, n_requests
+        )
+        placements.append(placement)
 
-            progress("multi-process L2 adapter")
-            result["mp_read_gbps"] = mp_read_gbps(paths, chunk_bytes, total_bytes)
-        return result
-    finally:
-        harness.destroy_all_engines()
-        shutil.rmtree(work, ignore_errors=True)
-        if not owned:
-            for path in paths:
-                for name in os.listdir(path):
-                    if name.startswith("kv-w") or name.startswith("lmcache-tiered-"):
-                        os.unlink(os.path.join(path, name))
+    def median_of(name: str) -> float | None:
+        samples = [g for p in placements for g in p.read_gbps.get(name, [])]
+        return statistics.median(samples) if samples else None
+
+    result: dict[str, Any] = {
+        "device_ceiling_gbps": statistics.median(
+            g for p in placements for g in p.ceiling_gbps
+        ),
+        "device_ceiling_method": method + " over the tiered slab files",
+        **{key: median_of(name) for name, key in FIELD_OF.items()},
+        "tiered_write_gbps": statistics.median(
+            p.write_gbps["tiered"] for p in placements
+        ),
+        "chunk_mb": args.chunk_mb,
+        "chunks": n_requests * REQUEST_CHUNKS,
+        "paths": args.paths.split(",") if args.paths else ["(a temporary directory)"],
+        "io_engine": io_engine,
+        "placements": args.placements,
+        "rounds": args.rounds,
+        "paired_ratios": {
+            "tiered_vs_ceiling": paired_median(placements, "tiered"),
+            "tiered_vs_local_disk": paired_median(
+                placements, "tiered", "lmcache_local_disk"
+            ),
+            "tiered_vs_rust_raw_block": paired_median(
+                placements, "tiered", "rust_raw_block"
+            ),
+        },
+        "per_placement": [asdict(p) for p in placements],
+    }
+    if args.mp:
+        from lmcache_tiered.bench.mpbench import mp_read_gbps
+
+        progress("multi-process L2 adapter")
+        bases = args.paths.split(",") if args.paths else [args.workdir]
+        dirs = [tempfile.mkdtemp(prefix="lmcache-tiered-mp-", dir=b) for b in bases]
+        try:
+            result["mp_read_gbps"] = mp_read_gbps(
+                dirs, chunk_bytes, n_requests * REQUEST_CHUNKS * chunk_bytes
+            )
+        finally:
+            for path in dirs:
+                shutil.rmtree(path, ignore_errors=True)
+    return result
 
 
 def progress(message: str) -> None:
@@ -255,7 +337,8 @@ def table(result: dict[str, Any]) -> str:
     ]
     lines = [
         f"{result['chunks']} chunks of {result['chunk_mb']} MiB on "
-        f"{', '.join(result['paths'])}; median of {result['rounds']} cold rounds",
+        f"{', '.join(result['paths'])}; median of {result['rounds']} cold rounds "
+        f"on each of {result['placements']} placements (fresh files)",
         f"{'read path':45} {'GB/s':>6} {'x ceiling':>10}",
     ]
     for name, gbps in rows:
@@ -271,10 +354,19 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"{'TieredL2Adapter (multi-process mode)':45} {result['mp_read_gbps']:6.2f}"
         )
-    stock = result["lmcache_local_disk_read_gbps"]
-    if stock:
-        ratio = result["tiered_read_gbps"] / stock
-        lines.append(f"TieredBackend / LocalDiskBackend: {ratio:.2f}x")
+    names = {
+        "tiered_vs_ceiling": "ceiling",
+        "tiered_vs_local_disk": "LocalDiskBackend",
+        "tiered_vs_rust_raw_block": "RustRawBlockBackend",
+    }
+    ratios = result["paired_ratios"]
+    lines.append(
+        "TieredBackend / "
+        + ", / ".join(
+            f"{names[k]} {v:.2f}x" for k, v in ratios.items() if v is not None
+        )
+        + " (medians of per-round ratios)"
+    )
     return "\n".join(lines)
 
 
@@ -307,7 +399,15 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--total-gb", type=float, default=1.0, help="data stored and read per backend"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved cold rounds")
+    parser.add_argument(
+        "--placements",
+        type=int,
+        default=3,
+        help="fresh sets of files, filled in a rotated order (default: 3)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="interleaved cold rounds per placement"
+    )
     parser.add_argument(
         "--io-engine", default="auto", choices=["auto", "uring", "threads"]
     )
