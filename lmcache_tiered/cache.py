@@ -236,7 +236,13 @@ class TieredCache:
     def holds(self, key: StoreKey) -> bool:
         """Whether one of our own tiers (not another host's files) holds ``key``:
         what this host stores, and what LMCache's L2 accounting counts."""
-        return any(t.header(key) is not None for t in self.tiers.values())
+        return self.header(key) is not None
+
+    def header(self, key: StoreKey) -> RecordHeader | None:
+        """``key``'s record header in the highest of our own tiers holding it."""
+        return next(
+            (h for t in self.tiers.values() if (h := t.header(key)) is not None), None
+        )
 
     def continuation(self, key: StoreKey, limit: int) -> list[StoreKey]:
         return self.chains.continuation(key, limit)

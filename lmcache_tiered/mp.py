@@ -59,7 +59,12 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from lmcache.lmcache_native import Bitmap
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import (
+    KeyEntry,
+    KeyListPage,
+    MemoryLayoutDesc,
+    ObjectKey,
+)
 from lmcache.v1.distributed.internal_api import (
     L1MemoryDesc,
     L2AdapterListener,
@@ -572,6 +577,43 @@ class TieredL2Adapter(L2AdapterInterface):
             keys = list(self._in_l2.values())
             if keys:
                 listener.on_l2_keys_stored(keys, [self._charge] * len(keys))
+
+    def list_l2_keys(
+        self,
+        model_name: str | None = None,
+        page_size: int = 500,
+        cursor: str | None = None,
+    ) -> KeyListPage:
+        """A page of the keys in L2 (the server's key-listing API), in digest
+        order; the cursor is the last digest of the previous page, so keys
+        stored or evicted between pages never shift the rest."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive (got {page_size})")
+        try:
+            after = b"" if cursor is None else bytes.fromhex(cursor)
+        except ValueError:
+            raise ValueError(f"malformed cursor {cursor!r}") from None
+        with self._in_l2_lock:
+            resident = sorted(
+                (digest, key)
+                for digest, key in self._in_l2.items()
+                if digest > after
+                and (model_name is None or key.model_name == model_name)
+            )
+        page = resident[:page_size]
+        cache = self.cache
+        entries = []
+        for _, key in page:
+            header = None if cache is None else cache.header(key)
+            if header is not None:  # else evicted since the snapshot
+                entries.append(
+                    KeyEntry(
+                        key=key.to_encoded_object_key(),
+                        size_bytes=header.payload_size,
+                    )
+                )
+        more = len(resident) > page_size
+        return KeyListPage(tuple(entries), page[-1][0].hex() if more else None)
 
     # ---------------------------------------------------------------- status
 

@@ -367,6 +367,34 @@ def test_lookup_lock_load_and_unlock(
     assert caller.lookup([keys[0]]) == [0]
 
 
+def test_list_l2_keys_pages_through_what_is_stored(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    """The server's key-listing API (cache_control/object_service.py:122)."""
+    adapter = adapter_factory()
+    caller = Caller(adapter)
+    keys = [okey(i) for i in range(5)] + [okey(i, model="org/other") for i in range(2)]
+    assert caller.store(keys, [memory_obj(seed=i) for i in range(len(keys))])
+    listed, cursor, pages = [], None, 0
+    while True:
+        page = adapter.list_l2_keys("org/model", page_size=2, cursor=cursor)
+        listed += [entry.key for entry in page.entries]
+        assert all(entry.size_bytes == CHUNK for entry in page.entries)
+        pages += 1
+        cursor = page.next_page_token
+        if cursor is None:
+            break
+    assert pages == 3
+    assert sorted(map(str, listed)) == sorted(
+        str(k.to_encoded_object_key()) for k in keys[:5]
+    )
+    assert len(adapter.list_l2_keys().entries) == 7
+    with pytest.raises(ValueError, match="cursor"):
+        adapter.list_l2_keys(cursor="not hex")
+    with pytest.raises(ValueError, match="page_size"):
+        adapter.list_l2_keys(page_size=0)
+
+
 def test_locked_chunks_survive_eviction_until_unlocked(
     adapter_factory: Callable[..., TieredL2Adapter],
 ) -> None:
