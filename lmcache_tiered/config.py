@@ -215,7 +215,9 @@ SETTINGS: dict[str, Setting] = {
         _positive(_parse_float), None, "cap on warm-up reads in MB/s (default: none)"
     ),
     "warmup.hot_fraction": Setting(
-        _fraction, 0.25, "share of the CPU tier that unused promotions may fill"
+        _fraction,
+        0.25,
+        "share of the CPU tier that promotions, pinned until used, may fill",
     ),
     "warmup.tick_ms": Setting(
         _positive(_parse_float), 50.0, "period of the policies' on_tick event"
