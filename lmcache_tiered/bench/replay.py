@@ -85,7 +85,7 @@ class VariantUnavailable(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class LinkModel:
     """A remote cold tier emulated on a local disk: bandwidth and latency in
-    production units, added after each real read of the cold tier."""
+    production units, added after each real read and write of the cold tier."""
 
     gbps: float
     latency_s: float
@@ -241,27 +241,39 @@ class GpuCopies:
 
 
 def emulate_link(tier: Tier, link: LinkModel, clock: float) -> None:
-    """Delay every read of ``tier`` by the link model, after the real I/O.
+    """Make ``tier`` remote: every read and write of it pays the link model
+    after the real I/O, for the bytes it moved.
 
-    Wraps the instance's two read paths (demand reads into MemoryObjs, and
-    payload reads for copies between tiers) until Tier has a hook for it.
+    Wraps the instance's I/O entry points (demand reads into MemoryObjs,
+    payload reads for copies between tiers, payload writes, which ``write``
+    goes through) until Tier has a hook for it.
     """
 
-    def delayed(read: Callable[..., list[Any]], size: Callable[[Any], int]) -> Any:
-        def read_over_link(*args: Any, **kwargs: Any) -> list[Any]:
-            results = read(*args, **kwargs)
-            nbytes = sum(size(r) for r in results if r is not None)
+    def over_link(
+        io: Callable[..., list[Any]], moved: Callable[[Any, list[Any]], int]
+    ) -> Callable[..., list[Any]]:
+        def paid(*args: Any, **kwargs: Any) -> list[Any]:
+            results = io(*args, **kwargs)
+            nbytes = moved(args[0], results)
             if nbytes:
                 time.sleep(link.delay_s(nbytes, clock))
             return results
 
-        return read_over_link
+        return paid
+
+    def read_bytes(_: Any, objs: list[Any]) -> int:
+        return sum(o.get_size() for o in objs if o is not None)
+
+    def payload_bytes(_: Any, payloads: list[Any]) -> int:
+        return sum(len(p.view) for p in payloads if p is not None)
+
+    def written_bytes(payloads: Sequence[Any], stored: list[bool]) -> int:
+        return sum(len(p.view) for p, ok in zip(payloads, stored, strict=True) if ok)
 
     # instance attributes shadow the methods (B010: setattr is what mypy allows)
-    setattr(tier, "read", delayed(tier.read, lambda obj: obj.get_size()))  # noqa: B010
-    setattr(  # noqa: B010
-        tier, "read_payloads", delayed(tier.read_payloads, lambda p: len(p.view))
-    )
+    setattr(tier, "read", over_link(tier.read, read_bytes))  # noqa: B010
+    setattr(tier, "read_payloads", over_link(tier.read_payloads, payload_bytes))  # noqa: B010
+    setattr(tier, "write_payloads", over_link(tier.write_payloads, written_bytes))  # noqa: B010
 
 
 # ----------------------------------------------------------------- variants
@@ -860,7 +872,7 @@ def add_parser(subparsers: Any) -> None:
         type=_link_arg,
         metavar="GBPS[,MS]",
         help="emulate a remote cold tier: a link of this bandwidth and latency "
-        "(production units) paid after each real read of it",
+        "(production units) paid after each real read and write of it",
     )
     tiers.add_argument(
         "--io-engine",
