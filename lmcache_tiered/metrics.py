@@ -134,18 +134,25 @@ class TieredCollector(Collector):
         used = GaugeMetricFamily(
             "lmcache_tiered_tier_used_bytes", "disk bytes held", labels=tier_labels
         )
+        degraded = GaugeMetricFamily(
+            "lmcache_tiered_tier_degraded",
+            "1 while the tier is degraded (its I/O failing: skipped, probed)",
+            labels=tier_labels,
+        )
         latency = HistogramMetricFamily(
             "lmcache_tiered_tier_read_seconds", "chunk read latency", labels=tier_labels
         )
         for label, snap in snaps:
             for tier, stats in snap["tiers"].items():
                 used.add_metric([label, tier], stats["used_bytes"])
+                degraded.add_metric([label, tier], float(stats["degraded"] is not None))
                 histogram = stats["read_latency"]
                 counts = itertools.accumulate(histogram["counts"])
                 bounds = (*LATENCY_BOUNDS_S, float("inf"))
                 buckets = [(str(b), c) for b, c in zip(bounds, counts, strict=True)]
                 latency.add_metric([label, tier], buckets, histogram["total_s"])
         yield used
+        yield degraded
         yield latency
         for name in _WARMUP_COUNTERS:
             family = CounterMetricFamily(

@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
 from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.metrics import collector
 from lmcache_tiered.warmup.base import Plan
 
 EngineFactory = Callable[..., Any]
@@ -309,6 +310,18 @@ def test_metrics_snapshot_and_prometheus(
     assert 'lmcache_tiered_tier_hits_total{instance="w0",tier="warm"} 2.0' in text
     assert "lmcache_tiered_tier_read_seconds_bucket" in text
     assert 'lmcache_tiered_warmup_plans_total{instance="w0",policy="none"}' in text
+    assert 'lmcache_tiered_tier_degraded{instance="w0",tier="warm"} 0.0' in text
+    # a degraded tier (see test_faults) shows as 1 while it is
+    snap["tiers"]["warm"]["degraded"] = "Input/output error"
+    label = collector().add_source("degraded", lambda: snap)
+    try:
+        text = generate_latest().decode()
+        assert (
+            f'lmcache_tiered_tier_degraded{{instance="{label}",tier="warm"}} 1.0'
+            in text
+        )
+    finally:
+        collector().remove_source(label)
 
 
 def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
