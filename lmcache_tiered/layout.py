@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,25 @@ class RecordHeader:
             raise CorruptRecord("key digest mismatch")
         shape = torch.Size(dims)
         return RecordHeader(key, shape, dtype, memory_format, size, crc, seq, created)
+
+
+def decode_header_blocks(
+    data: bytes | memoryview, first: int, max_payload: int
+) -> Iterator[tuple[int, RecordHeader | CorruptRecord]]:
+    """The written header blocks of ``data`` (the blocks of slots ``first``
+    on): each one's slot and header, or the CorruptRecord it failed with. A
+    block starting with 8 zero bytes was never written (preallocated space)."""
+    for i in range(len(data) // HEADER_SIZE):
+        block = data[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
+        if block[:8] == bytes(8):
+            continue
+        try:
+            header: RecordHeader | CorruptRecord = RecordHeader.decode(
+                block, max_payload
+            )
+        except CorruptRecord as exc:
+            header = exc
+        yield first + i, header
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from lmcache_tiered.layout import (
     Geometry,
     RecordHeader,
     align_up,
+    decode_header_blocks,
 )
 from lmcache_tiered.metrics import TierStats
 
@@ -372,16 +373,12 @@ class Tier:
             if self._submit([request], write=False).result() != [len(view)]:
                 slots = first  # the header file ends early: so does the tier
                 break
-            for i in range(count):
-                block = view[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-                if block[:8] == bytes(8):
-                    continue
-                try:
-                    header = RecordHeader.decode(block, self.geometry.max_payload)
-                except CorruptRecord:
+            max_payload = self.geometry.max_payload
+            for slot, header in decode_header_blocks(view, first, max_payload):
+                if isinstance(header, CorruptRecord):
                     self.stats.corrupt += 1
-                    continue
-                found.append((first + i, header))
+                else:
+                    found.append((slot, header))
         found = self._within_slabs(found)
         found.sort(key=lambda item: item[1].sequence)
         entries: OrderedDict[bytes, Entry] = OrderedDict()

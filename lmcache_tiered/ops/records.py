@@ -28,6 +28,7 @@ from lmcache_tiered.layout import (
     Geometry,
     RecordHeader,
     align_up,
+    decode_header_blocks,
 )
 
 #: Header bytes read per call while scanning.
@@ -152,16 +153,12 @@ class TierFiles:
             data = os.pread(
                 self.header_fd, count * HEADER_SIZE, Geometry.header_offset(first)
             )
-            for i in range(count):
-                block = data[i * HEADER_SIZE : (i + 1) * HEADER_SIZE]
-                if block[:8] == bytes(8):
-                    continue
-                try:
-                    header = RecordHeader.decode(block, self.geometry.max_payload)
-                except CorruptRecord as exc:
-                    yield Slot(first + i, None, f"header: {exc}")
+            max_payload = self.geometry.max_payload
+            for slot, header in decode_header_blocks(data, first, max_payload):
+                if isinstance(header, CorruptRecord):
+                    yield Slot(slot, None, f"header: {header}")
                 else:
-                    yield Slot(first + i, header)
+                    yield Slot(slot, header)
 
     def read_payload(self, slot: int, header: RecordHeader) -> memoryview:
         """The record's payload, checked; CorruptRecord if short or bad."""
