@@ -637,26 +637,22 @@ class Tier:
         header = entry.header
         done = zip(results, transfer.requests, strict=True)
         if not all(n >= len(r.buffer) for n, r in done):
-            self.stats.corrupt += 1
-            logger.warning(
-                "tier %s: chunk %s is cut short on disk (truncated file); dropped",
-                self.name,
-                key_text(header.key),
-            )
-            return False
+            return self._damaged(header, "is cut short on disk (truncated file)")
         for bounce, start, length in transfer.bounces:
             view[start : start + length] = bounce[:length]
         check = self.verify_reads or self.read_only or not entry.verified
         if check and zlib.crc32(view[: header.payload_size]) != header.payload_crc:
-            self.stats.corrupt += 1
-            logger.warning(
-                "tier %s: chunk %s failed its checksum; dropped",
-                self.name,
-                key_text(header.key),
-            )
-            return False
+            return self._damaged(header, "failed its checksum")
         entry.verified = True
         return True
+
+    def _damaged(self, header: RecordHeader, what: str) -> bool:
+        """Count and log a record that fails its checks; False (drop it)."""
+        self.stats.corrupt += 1
+        logger.warning(
+            "tier %s: chunk %s %s; dropped", self.name, key_text(header.key), what
+        )
+        return False
 
     def _end_reads(
         self, entries: Sequence[Entry | None], outcomes: Sequence[bool | None]
