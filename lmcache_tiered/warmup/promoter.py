@@ -149,19 +149,25 @@ class Promoter:
         with self._cond:
             for plan in plans:
                 self.stats.plans += 1
-                seq = next(self._seq)
                 target = plan.target if self.hot is not None else "warm"
-                fresh = []
-                for key in plan.keys:
-                    slot = (key_digest(key), target)
-                    if slot not in self._owner:
-                        self._owner[slot] = seq
-                        fresh.append(key)
-                if fresh:
-                    self.stats.keys_planned += len(fresh)
-                    queued = _Queued(plan.deadline, seq, target, tuple(fresh))
-                    heapq.heappush(self._heaps[target], queued)
+                queued = _Queued(plan.deadline, next(self._seq), target, plan.keys)
+                self.stats.keys_planned += self._push_locked(queued)
             self._cond.notify_all()
+
+    def _push_locked(self, queued: _Queued) -> int:
+        """Queue those of ``queued``'s keys not queued for its tier already
+        (a key stays with the plan that has it); how many that was."""
+        fresh = []
+        for key in queued.keys:
+            slot = (key_digest(key), queued.target)
+            if slot not in self._owner:
+                self._owner[slot] = queued.seq
+                fresh.append(key)
+        if fresh:
+            heapq.heappush(
+                self._heaps[queued.target], replace(queued, keys=tuple(fresh))
+            )
+        return len(fresh)
 
     @contextlib.contextmanager
     def demand(self, keys: Sequence[StoreKey]) -> Iterator[None]:
@@ -272,15 +278,7 @@ class Promoter:
         """Put a unit that found no room in the hot budget back in the queue
         (keys planned again meanwhile stay with that newer plan)."""
         with self._cond:
-            keys = []
-            for key in unit.keys:
-                slot = (key_digest(key), unit.target)
-                if slot not in self._owner:
-                    self._owner[slot] = unit.seq
-                    keys.append(key)
-            if keys:
-                queued = _Queued(unit.deadline, unit.seq, unit.target, tuple(keys))
-                heapq.heappush(self._heaps[unit.target], queued)
+            self._push_locked(unit)
             self._hot_full = True
 
     def _drop(self, keys: Sequence[StoreKey], target: str) -> None:
