@@ -48,6 +48,7 @@ its promoter. This module only translates LMCache's L2 protocol (lmcache
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import queue
@@ -594,11 +595,16 @@ class TieredL2Adapter(L2AdapterInterface):
         except ValueError:
             raise ValueError(f"malformed cursor {cursor!r}") from None
         with self._in_l2_lock:
-            resident = sorted(
-                (digest, key)
-                for digest, key in self._in_l2.items()
-                if digest > after
-                and (model_name is None or key.model_name == model_name)
+            # one page and one more (is there a next page?), not a full sort
+            resident = heapq.nsmallest(
+                page_size + 1,
+                (
+                    (digest, key)
+                    for digest, key in self._in_l2.items()
+                    if digest > after
+                    and (model_name is None or key.model_name == model_name)
+                ),
+                key=lambda item: item[0],
             )
         page = resident[:page_size]
         cache = self.cache
