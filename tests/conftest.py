@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ import pytest
 import torch
 from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 
+from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
+from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.tier import Tier
 
@@ -29,6 +32,28 @@ def plugin_extra_config(paths: list[Path], **settings: Any) -> dict[str, Any]:
     }
     extra.update({f"tiered.{k}": v for k, v in settings.items()})
     return extra
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def cache_of(engine: Any) -> TieredCache:
+    """The TieredCache behind an engine's tiered plugin."""
+    backend = harness.get_backends(engine)["tiered"]
+    assert isinstance(backend, TieredBackend) and backend.cache is not None
+    return backend.cache
+
+
+@pytest.fixture
+def cold_dir(tmp_path: Path) -> Path:
+    """A directory for the cold tier."""
+    path = tmp_path / "cold"
+    path.mkdir()
+    return path
 
 
 @pytest.fixture

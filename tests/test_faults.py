@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import plugin_extra_config, random_kv
+from conftest import cache_of, plugin_extra_config, random_kv, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
@@ -39,7 +39,6 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered import layout
 from lmcache_tiered import tier as tier_module
-from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import SETTINGS, ConfigError, TieredConfig
@@ -76,6 +75,18 @@ def tiered_config(paths: Sequence[Path | str], **settings: Any) -> TieredConfig:
     }
     extra.update({f"tiered.{k}": v for k, v in settings.items()})
     return TieredConfig.from_extra_config(extra)
+
+
+def open_cache(config: TieredConfig, chunks: Chunks) -> TieredCache:
+    """A TieredCache of one worker, no CPU tier, reading into ``chunks``."""
+    return TieredCache(
+        config,
+        owner="kv-w0",
+        max_payload=CHUNK_BYTES,
+        local_workers=1,
+        hot=None,
+        allocate=chunks.allocate,
+    )
 
 
 def open_tier(paths: Sequence[Path | str], slots: int, **settings: Any) -> Tier:
@@ -170,14 +181,7 @@ def crash_child(paths: list[str], first: int, slots: int, fsync: bool) -> None:
         paths, fsync=fsync, **{"warm.capacity_gb": slots * SLOT_BYTES / 2**30}
     )
     chunks = Chunks(64 << 20)
-    cache = TieredCache(
-        config,
-        owner="kv-w0",
-        max_payload=CHUNK_BYTES,
-        local_workers=1,
-        hot=None,
-        allocate=chunks.allocate,
-    )
+    cache = open_cache(config, chunks)
     on_evict = cache.warm.on_evict
     assert on_evict is not None
 
@@ -553,13 +557,6 @@ def fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tier_module, "PROBE_S", 0.05)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def degraded_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if " degraded: " in r.getMessage()]
 
@@ -680,12 +677,6 @@ def test_removed_directory_degrades_and_recovers_when_the_path_returns(
         wrong_bytes=0,
         lost=4,
     )
-
-
-def cache_of(engine: Any) -> TieredCache:
-    backend = harness.get_backends(engine)["tiered"]
-    assert isinstance(backend, TieredBackend) and backend.cache is not None
-    return backend.cache
 
 
 def test_warm_device_fails_cold_serves_the_engine(
@@ -875,14 +866,7 @@ def test_overload_soak(device_dirs: list[Path], tmp_path: Path) -> None:
         },
     )
     chunks = Chunks(64 << 20)
-    cache = TieredCache(
-        config,
-        owner="kv-w0",
-        max_payload=CHUNK_BYTES,
-        local_workers=1,
-        hot=None,
-        allocate=chunks.allocate,
-    )
+    cache = open_cache(config, chunks)
     verdict = Verdict()
     counts = dict.fromkeys(["puts", "acked", "no_memory", "pins", "removes"], 0)
     count_lock = threading.Lock()

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ENGINES
+from conftest import ENGINES, wait_until
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.distributed.api import (
@@ -509,23 +509,9 @@ def test_two_controller_threads_at_once(
 # --------------------------------------------------- warm, cold, warm-up
 
 
-@pytest.fixture
-def cold_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "cold"
-    path.mkdir()
-    return path
-
-
 def slots(count: int) -> float:
     """``warm.capacity_gb`` (or ``cold.``) of a tier of ``count`` chunk slots."""
     return count * SLOT / GIB
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def cache_of(adapter: TieredL2Adapter) -> TieredCache:

@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import plugin_extra_config
+from conftest import cache_of, plugin_extra_config, wait_until
 from prometheus_client import generate_latest
 
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
-from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.metrics import collector
 from lmcache_tiered.warmup.base import Plan
 
@@ -25,26 +24,6 @@ CHUNK = 256
 CHUNK_BYTES = 256 * 1024  # the harness's tiny model: 2 layers, 2 heads of 64
 #: capacity (GiB) of a warm tier that holds exactly two chunks
 TWO_CHUNKS_GB = 2 * (CHUNK_BYTES + 4096) / 2**30
-
-
-@pytest.fixture
-def cold_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "cold"
-    path.mkdir()
-    return path
-
-
-def cache_of(engine: Any) -> TieredCache:
-    backend = harness.get_backends(engine)["tiered"]
-    assert isinstance(backend, TieredBackend) and backend.cache is not None
-    return backend.cache
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, Any]:
