@@ -38,6 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -63,6 +64,9 @@ ChangeCallback = Callable[[Sequence[StoreKey]], None]
 #: Most bytes of puts waiting for the writer; beyond it puts are dropped so the
 #: CPU tier, whose buffers the queued puts hold, never fills up behind them.
 MAX_QUEUED_BYTES = 2 << 30
+#: Threads reading the tiers after the first of a demand read (cold, and
+#: other hosts' files in a shared cold tier), each in parallel with the others
+_READ_THREADS = 4
 
 
 def load_configured_policy(settings: TieredConfig, view: CacheView) -> WarmupPolicy:
@@ -188,6 +192,11 @@ class TieredCache:
             target=self._write_loop, name="lmcache-tiered-writer", daemon=True
         )
         self._writer.start()
+        #: reads the other tiers' shares of a demand read while the caller
+        #: reads the first one's
+        self._reader = ThreadPoolExecutor(
+            max_workers=_READ_THREADS, thread_name_prefix="lmcache-tiered-read"
+        )
         self.promoter = Promoter(
             policy=self.policy,
             view=self,
@@ -355,8 +364,10 @@ class TieredCache:
         keys: Sequence[StoreKey],
         into: Sequence[MemoryObj | None] | None = None,
     ) -> list[MemoryObj | None]:
-        """Demand read: each tier in turn reads, in one batch, the keys still
-        missing. Cold hits are queued for a copy to warm.
+        """Demand read: every tier reads the keys it holds in one batch, all
+        tiers at once; a key that moved meanwhile or failed a tier's checks is
+        then tried in the other tiers in turn. Cold hits are queued for a copy
+        to warm.
 
         Without ``into`` each object comes from ``allocate`` and the caller
         owns one reference to it. ``into`` are the caller's buffers instead,
@@ -370,29 +381,66 @@ class TieredCache:
         #: record that failed its checks (dropped) or a device error
         tried: set[int] = set()
         wanted = [i for i in range(len(keys)) if into is None or into[i] is not None]
+        order = self._read_order()
         with self.promoter.demand(keys):
-            for name, tier in self._read_order():
-                missing = [i for i in wanted if objs[i] is None]
-                if not missing:
-                    break
-                allocate = self._read_memory(keys, missing, into, tried)
-                found = tier.read([keys[i] for i in missing], allocate)
-                for i, obj in zip(missing, found, strict=True):
-                    if obj is not None and into is not None:
-                        obj.ref_count_down()  # the one _read_memory took
-                    objs[i] = obj
-                hits = [(keys[i], o) for i, o in zip(missing, found, strict=True) if o]
-                for key, _ in hits:
-                    self._plan(self.policy.on_hit, key, name)
-                if name == "cold" and hits and "warm" in self.tiers:
-                    # The caller may reuse its own buffers as soon as this
-                    # returns, so their bytes are copied now (a memcpy: far
-                    # cheaper than reading cold again, and it does not hold up
-                    # the read as a warm write, with its demotions, would).
-                    # LMCache's CPU-tier objects are referenced until written.
-                    self._enqueue("warm", hits, None, copy=into is not None)
+            # each tier reads its share at once: a remote cold read overlaps
+            # the local warm one instead of following it
+            shares: dict[int, list[int]] = {}
+            for i in wanted:
+                holder = next(
+                    (n for n, (_, t) in enumerate(order) if t.header(keys[i])), None
+                )
+                if holder is not None:
+                    shares.setdefault(holder, []).append(i)
+            parts = list(shares.items())
+            reads = [
+                self._reader.submit(
+                    self._read_tier, order[n], keys, share, into, objs, tried
+                )
+                for n, share in parts[1:]
+            ]
+            for n, share in parts[:1]:
+                self._read_tier(order[n], keys, share, into, objs, tried)
+            for read in reads:
+                read.result()
+            # keys that moved meanwhile or failed a tier's checks: the other
+            # tiers in turn
+            for n, tier_entry in enumerate(order):
+                done = set(shares.get(n, ()))
+                missing = [i for i in wanted if objs[i] is None and i not in done]
+                if missing:
+                    self._read_tier(tier_entry, keys, missing, into, objs, tried)
         self._changed([keys[i] for i in tried if objs[i] is None])
         return objs
+
+    def _read_tier(
+        self,
+        tier_entry: tuple[TierName, Tier],
+        keys: Sequence[StoreKey],
+        missing: list[int],
+        into: Sequence[MemoryObj | None] | None,
+        objs: list[MemoryObj | None],
+        tried: set[int],
+    ) -> None:
+        """One tier's batch read of ``keys[missing]`` into ``objs``; the
+        policy hears of each hit, and cold hits are queued for warm."""
+        name, tier = tier_entry
+        allocate = self._read_memory(keys, missing, into, tried)
+        found = tier.read([keys[i] for i in missing], allocate)
+        for i, obj in zip(missing, found, strict=True):
+            if obj is not None and into is not None:
+                obj.ref_count_down()  # the one _read_memory took
+            objs[i] = obj
+        hits = [(keys[i], o) for i, o in zip(missing, found, strict=True) if o]
+        for key, _ in hits:
+            self._plan(self.policy.on_hit, key, name)
+        if name == "cold" and hits and "warm" in self.tiers:
+            # The caller may reuse its own buffers as soon as this
+            # returns, so their bytes are copied now (a memcpy: far
+            # cheaper than reading cold again, and it does not hold up
+            # the read as a warm write, with its demotions, would).
+            # LMCache's CPU-tier objects are referenced until written.
+            self._enqueue("warm", hits, None, copy=into is not None)
 
     def _read_memory(
         self,
@@ -625,6 +673,7 @@ class TieredCache:
         self.promoter.close()
         self._queue.put(None)
         self._writer.join()
+        self._reader.shutdown()
         self.shared.close()
         for tier in self.tiers.values():
             tier.close()

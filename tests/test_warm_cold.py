@@ -4,6 +4,7 @@ demotion, warm-up policies, demand-first ordering and metrics."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -344,3 +345,38 @@ def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
     _, mask = harness.retrieve_tokens(engine_b, tokens, connector=connector_b)
     assert int(mask.sum()) == 0
     assert foreign.stats.corrupt == 1
+
+
+def test_a_read_spanning_warm_and_cold_reads_both_at_once(
+    engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
+) -> None:
+    extra = plugin_extra_config(
+        device_dirs,
+        **{
+            "warm.capacity_gb": TWO_CHUNKS_GB,
+            "cold.paths": [str(cold_dir)],
+            "cold.capacity_gb": 0.1,
+        },
+    )
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    cache = cache_of(engine)
+    tokens, kv = store(engine, connector, 4, seed=5)
+    where = [cache.tier_of(k) for k in harness.chunk_keys(engine, tokens)]
+    assert sorted(where) == ["cold", "cold", "warm", "warm"]
+    # each tier's read waits for the other's to start: read one after the
+    # other, the first would wait in vain and break the barrier
+    both_reading = threading.Barrier(2, timeout=10)
+    readers: dict[str, str] = {}
+    for name, tier in cache.tiers.items():
+
+        def read(*args: Any, _name: str = name, _read: Any = tier.read) -> Any:
+            readers[_name] = threading.current_thread().name
+            both_reading.wait()
+            return _read(*args)
+
+        setattr(tier, "read", read)  # noqa: B010
+    harness.clear_cpu_tier(engine)
+    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
+    assert set(readers) == {"warm", "cold"}
+    assert readers["warm"] != readers["cold"]
