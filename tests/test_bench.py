@@ -339,6 +339,45 @@ def test_cli_writes_json_and_reports_missing_policy_and_plot(
     assert not [*(tmp_path / "warm").iterdir(), *(tmp_path / "cold").iterdir()]
 
 
+def test_repeats_rotate_the_order_and_report_paired_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+    run_variant = replay.run_variant
+
+    def recorded(name: str, *args: Any) -> report.RunResult:
+        order.append(name)
+        return run_variant(name, *args)
+
+    monkeypatch.setattr(replay, "run_variant", recorded)
+    out = tmp_path / "r.json"
+    args = bench_args(
+        tmp_path,
+        session_trace(tmp_path),
+        "--policies",
+        "none,lookahead",
+        "--repeat",
+        "2",
+        "--json",
+        str(out),
+    )
+    assert args.func(args) == 0
+    # no variant always runs first (or right after the same one)
+    assert order == [
+        "none",
+        "lookahead",
+        replay.LOCAL_DISK,
+        "lookahead",
+        replay.LOCAL_DISK,
+        "none",
+    ]
+    assert "change vs none, paired runs" in capsys.readouterr().out
+    policies = json.loads(out.read_text())["policies"]
+    for name in ("lookahead", replay.LOCAL_DISK):
+        assert len(policies[name]["paired_change_vs_none"]["ttft_p50_s"]) == 2
+    assert "paired_change_vs_none" not in policies["none"]
+
+
 def test_percentile_interpolates() -> None:
     assert report.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
     assert report.percentile([5.0], 99) == 5.0
@@ -375,6 +414,24 @@ def test_repeated_runs_combine_to_medians() -> None:
     assert combined["runs"] == 3 and combined["backend_metrics"] == [{}, {}, {}]
     assert combined["per_run"]["ttft_p50_s"] == [3.0, 1.0, 2.0]
     assert report.combine(runs[:1])["warmup_precision"] is None
+
+
+def test_paired_changes_compare_run_i_with_run_i_of_none() -> None:
+    def entry(ttft: list[float], tps: list[float]) -> dict[str, object]:
+        per_run = {"ttft_p50_s": ttft, "ttft_p90_s": ttft, "throughput_tps": tps}
+        return {"per_run": per_run}
+
+    summaries = {
+        "none": entry([2.0, 4.0, 3.0], [100.0, 100.0, 50.0]),
+        "hinted": entry([1.0, 3.0, 3.3], [110.0, 100.0, 60.0]),
+    }
+    changes = report.paired_changes(summaries)
+    assert list(changes) == ["hinted"]
+    assert changes["hinted"]["ttft_p50_s"] == pytest.approx([-0.5, -0.25, 0.1])
+    assert changes["hinted"]["throughput_tps"] == pytest.approx([0.1, 0.0, 0.2])
+    assert "-25% (-50..+10)" in report.spread_table(changes)
+    # one run each: nothing to pair
+    assert report.paired_changes({"none": {}, "hinted": {}}) == {}
 
 
 def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:

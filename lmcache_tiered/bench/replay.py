@@ -1053,11 +1053,15 @@ def main(args: argparse.Namespace) -> int:
     unavailable: dict[str, str] = {}
     workload = Workload.build(requests, setup.shape, args.seed)
     total = len(variants) * args.repeat
-    # interleaved (A B C A B C): drift of the disk or of other load on the
-    # machine then touches every variant alike
-    for number, (repeat, name) in enumerate(
-        ((r, v) for r in range(args.repeat) for v in variants), 1
-    ):
+    # interleaved, each round starting one variant later (A B C, B C A, ...):
+    # drift of the disk or of other load on the machine then touches every
+    # variant alike, and no variant always runs first
+    rounds = (
+        (r, variants[(r + i) % len(variants)])
+        for r in range(args.repeat)
+        for i in range(len(variants))
+    )
+    for number, (repeat, name) in enumerate(rounds, 1):
         if name in unavailable:
             continue
         label = f"[{number}/{total}] {name}"
@@ -1078,6 +1082,12 @@ def main(args: argparse.Namespace) -> int:
     print(report.table(summaries))
     if args.repeat > 1:
         print(f"(medians of {args.repeat} interleaved runs per variant)")
+        changes = report.paired_changes(summaries)
+        if changes:
+            print()
+            print(report.spread_table(changes))
+            for name, change in changes.items():
+                summaries[name]["paired_change_vs_none"] = change
     else:
         print(
             "(one run per variant: repeat them, --repeat 3, before trusting "

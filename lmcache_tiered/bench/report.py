@@ -193,6 +193,59 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
     return "\n".join(rows)
 
 
+#: Numbers compared run by run against the reference by :func:`paired_changes`.
+PAIRED = {"TTFT p50": "ttft_p50_s", "TTFT p90": "ttft_p90_s", "tok/s": "throughput_tps"}
+
+
+def paired_changes(
+    summaries: Mapping[str, Mapping[str, Any]], reference: str = "none"
+) -> dict[str, dict[str, list[float]]]:
+    """Per variant and number of :data:`PAIRED`, the relative change against
+    ``reference`` run by run (run i of each against run i of the reference:
+    interleaved runs share the machine's state). Empty without repeats."""
+    base = summaries.get(reference)
+    if base is None or "per_run" not in base:
+        return {}
+    changes: dict[str, dict[str, list[float]]] = {}
+    for name, s in summaries.items():
+        if name == reference or "per_run" not in s:
+            continue
+        changes[name] = {
+            key: [
+                value / ref - 1.0
+                for value, ref in zip(
+                    s["per_run"][key], base["per_run"][key], strict=False
+                )
+                if ref
+            ]
+            for key in PAIRED.values()
+        }
+    return changes
+
+
+def spread_table(changes: Mapping[str, Mapping[str, Sequence[float]]]) -> str:
+    """The paired changes as median (lowest..highest) per variant: a change
+    whose range spans zero is within the run-to-run noise."""
+
+    def cell(values: Sequence[float]) -> str:
+        if not values:
+            return "-"
+        median = percentile(list(values), 50)
+        return (
+            f"{100 * median:+.0f}% ({100 * min(values):+.0f}..{100 * max(values):+.0f})"
+        )
+
+    header = f"{'change vs none, paired runs':<28}" + "".join(
+        f"{label:>20}" for label in PAIRED
+    )
+    rows = [header, "-" * len(header)]
+    for name, by_key in changes.items():
+        rows.append(
+            f"{name:<28}" + "".join(f"{cell(by_key[k]):>20}" for k in PAIRED.values())
+        )
+    return "\n".join(rows)
+
+
 def write_json(path: str, document: Mapping[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as out:
         json.dump(document, out, indent=2, sort_keys=False)
