@@ -209,6 +209,7 @@ class TieredCache:
                 settings.warmup_hot_fraction * (0 if hot is None else _hot_bytes(hot))
             ),
             tick_s=settings.warmup_tick_s,
+            min_precision=settings.warmup_min_precision,
         )
 
     def _load_policy(self) -> WarmupPolicy:

@@ -219,6 +219,12 @@ SETTINGS: dict[str, Setting] = {
         0.25,
         "share of the CPU tier that promotions, pinned until used, may fill",
     ),
+    "warmup.min_precision": Setting(
+        _fraction,
+        0.25,
+        "below this share of recent promotions to hot used in time, the policy "
+        "is held back to one unit in eight until it recovers (0: never)",
+    ),
     "warmup.tick_ms": Setting(
         _positive(_parse_float), 50.0, "period of the policies' on_tick event"
     ),
@@ -265,6 +271,7 @@ class TieredConfig:
     warmup_policy: str = DEFAULT_POLICY
     warmup_bandwidth_bytes_s: float | None = None
     warmup_hot_fraction: float = 0.25
+    warmup_min_precision: float = 0.25
     warmup_tick_s: float = 0.05
     hint_port: int = -1
     #: ``tiered.warmup.<policy>.<param>`` values, keyed ``<policy>.<param>``
@@ -340,6 +347,7 @@ class TieredConfig:
             if values["warmup.bandwidth_mbps"] is None
             else values["warmup.bandwidth_mbps"] * 1e6,
             warmup_hot_fraction=values["warmup.hot_fraction"],
+            warmup_min_precision=values["warmup.min_precision"],
             warmup_tick_s=values["warmup.tick_ms"] / 1000,
             hint_port=values["warmup.hint_port"],
             policy_params=policy_params,

@@ -19,6 +19,7 @@ from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
 from lmcache_tiered.metrics import collector
 from lmcache_tiered.warmup.base import Plan
+from lmcache_tiered.warmup.promoter import GUARD_MIN, GUARD_PROBE_EVERY
 
 EngineFactory = Callable[..., Any]
 CHUNK = 256
@@ -380,3 +381,46 @@ def test_a_read_spanning_warm_and_cold_reads_both_at_once(
     assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
     assert set(readers) == {"warm", "cold"}
     assert readers["warm"] != readers["cold"]
+
+
+@pytest.mark.parametrize("min_precision", [0.25, 0.0])
+def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
+    engine_factory: EngineFactory, device_dirs: list[Path], min_precision: float
+) -> None:
+    engine, connector = engine_factory(
+        plugin_extra_config(device_dirs, **{"warmup.min_precision": min_precision}),
+        chunk_size=CHUNK,
+    )
+    cache = cache_of(engine)
+    stats = cache.promoter.stats
+    rounds = GUARD_MIN // 2 + 2 * GUARD_PROBE_EVERY
+    requests = [store(engine, connector, 2, seed=100 + i)[0] for i in range(rounds)]
+    harness.clear_cpu_tier(engine)
+
+    def settled() -> int:
+        return (
+            stats.held_back + stats.cancelled + stats.bytes_promoted_hot // CHUNK_BYTES
+        )
+
+    def promote_unused(tokens: Any) -> None:
+        """Plan a request's two chunks for hot; nothing looks them up."""
+        before = settled()
+        keys = tuple(harness.chunk_keys(engine, tokens))
+        cache.promoter.submit([Plan(keys, "hot", cache.now() + 0.3)])
+        wait_until(lambda: settled() >= before + 2)
+
+    for tokens in requests[: GUARD_MIN // 2]:
+        promote_unused(tokens)
+        expired = stats.expired
+        wait_until(lambda: stats.expired >= expired + 2)  # noqa: B023
+    assert stats.held_back == 0  # it takes GUARD_MIN misses to judge
+    promoted = stats.bytes_promoted_hot
+    for tokens in requests[GUARD_MIN // 2 :]:
+        promote_unused(tokens)
+    ran = (stats.bytes_promoted_hot - promoted) // CHUNK_BYTES
+    assert stats.cancelled == 0
+    if min_precision:
+        # one unit in GUARD_PROBE_EVERY still runs and keeps measuring
+        assert ran == 4 and stats.held_back == 2 * (2 * GUARD_PROBE_EVERY - 2)
+    else:
+        assert ran == 2 * 2 * GUARD_PROBE_EVERY and stats.held_back == 0

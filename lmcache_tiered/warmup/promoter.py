@@ -14,6 +14,11 @@ scheduled. Pinned promotions stay within a byte budget; when it is full, a
 promotion needed sooner takes the place of those needed later, and the rest
 wait (queued, not dropped) until a promotion is used or expires.
 
+Warm-up must not cost more than it saves: a benefit guard watches the last
+promotions to hot, and while fewer than ``min_precision`` of them were used
+before their deadline it runs only one unit of work in GUARD_PROBE_EVERY
+(those keep measuring, so a policy that starts to pay is let go again).
+
 Without a hot tier (LMCache's multi-process server, where the L2 adapter
 has no CPU tier of its own below LMCache's L1) a plan for hot is a plan for
 warm: the highest tier there is.
@@ -27,6 +32,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -49,6 +55,12 @@ logger = logging.getLogger("lmcache_tiered")
 
 #: chunks per unit of warm-up work: a demand read waits for at most one unit
 UNIT_KEYS = 8
+#: the benefit guard judges the last GUARD_WINDOW promotions to hot settled
+#: (used, or expired unused), once there are GUARD_MIN of them
+GUARD_WINDOW = 64
+GUARD_MIN = 16
+#: while the guard holds a policy back, one unit in this many still runs
+GUARD_PROBE_EVERY = 8
 
 
 class _PromotedObj(TensorMemoryObj):
@@ -109,6 +121,7 @@ class Promoter:
         bandwidth_bytes_s: float | None,
         hot_budget_bytes: int,
         tick_s: float,
+        min_precision: float,
     ) -> None:
         self.policy = policy
         self.view = view
@@ -119,7 +132,11 @@ class Promoter:
         self.bandwidth = bandwidth_bytes_s
         self.hot_budget = hot_budget_bytes
         self.tick_s = tick_s
+        self.min_precision = min_precision
         self.stats = WarmupStats()
+        #: settled promotions to hot, oldest first: used in time or not
+        self._outcomes: deque[bool] = deque(maxlen=GUARD_WINDOW)
+        self._units = itertools.count()
         self._cond = threading.Condition()
         #: queued plans per target tier, most urgent first
         self._heaps: dict[str, list[_Queued]] = {"hot": [], "warm": []}
@@ -219,14 +236,27 @@ class Promoter:
                 self._guard(self._tick, now)
             unit = self._next_unit()
             if unit is not None:
-                self._guard(self._execute, unit)
+                if self._held_back():
+                    self.stats.held_back += len(unit.keys)
+                else:
+                    self._guard(self._execute, unit)
                 with self._cond:
                     self._inflight.clear()
 
     def _tick(self, now: float) -> None:
+        if self.hot is not None:
+            self._settle()
         with self._cond:
             self._hot_full = False  # promotions may have expired or been evicted
         self.submit(self.policy.on_tick(self.view.now()))
+
+    def _held_back(self) -> bool:
+        """The benefit guard: whether to skip the next unit."""
+        with self._cond:
+            settled, used = len(self._outcomes), sum(self._outcomes)
+        if settled < GUARD_MIN or used >= self.min_precision * settled:
+            return False
+        return next(self._units) % GUARD_PROBE_EVERY != 0
 
     def _runnable(self) -> bool:
         return bool(self._heaps["warm"]) or (
@@ -377,9 +407,37 @@ class Promoter:
                 return
             self.stats.timely += 1
             self.stats.bytes_used += promotion.size
+            if promotion.pinned:  # not yet settled as expired
+                self._outcomes.append(True)
+            promotion.release()  # the lookup holds its own pin now
             self._hot_full = False
             self._cond.notify_all()
-        promotion.release()  # the lookup holds its own pin now
+
+    def _settle(self) -> list[_Promotion]:
+        """Forget the promotions LMCache dropped, unpin those past their
+        deadline (still cached, LMCache's to evict; each a miss for the
+        guard); the promotions still pinned."""
+        hot = self.hot
+        assert hot is not None
+        now = self.view.now()
+        with self._cond:
+            promoted = list(self._promoted.items())
+        cached = {d: hot.contains(p.key) for d, p in promoted}
+        pinned: list[_Promotion] = []
+        with self._cond:  # _used may settle one meanwhile
+            for digest, promotion in promoted:
+                if self._promoted.get(digest) is not promotion:
+                    continue
+                expired = promotion.pinned and promotion.deadline < now
+                self.stats.expired += expired
+                if expired or (promotion.pinned and not cached[digest]):
+                    self._outcomes.append(False)
+                    promotion.release()
+                if not cached[digest]:
+                    del self._promoted[digest]
+                elif promotion.pinned:
+                    pinned.append(promotion)
+        return pinned
 
     def _make_room(self, need: int, deadline: float) -> bool:
         """Fit ``need`` more pinned bytes in the hot budget: unpin expired
@@ -387,19 +445,7 @@ class Promoter:
         needed later than ``deadline``, latest first. False if it cannot fit."""
         hot = self.hot
         assert hot is not None
-        now = self.view.now()
-        with self._cond:
-            promoted = list(self._promoted.items())
-        pinned: list[_Promotion] = []
-        for digest, promotion in promoted:
-            if not hot.contains(promotion.key):
-                with self._cond:
-                    self._promoted.pop(digest, None)
-                promotion.release()
-            elif promotion.pinned and promotion.deadline < now:
-                promotion.release()  # still cached, now LMCache's to evict
-            elif promotion.pinned:
-                pinned.append(promotion)
+        pinned = self._settle()
         used = sum(p.size for p in pinned)
         later = sorted(
             (p for p in pinned if p.deadline > deadline), key=lambda p: -p.deadline
@@ -408,7 +454,8 @@ class Promoter:
         for promotion in later:
             if used + need <= self.hot_budget:
                 break
-            promotion.release()
+            with self._cond:  # _used may release it meanwhile
+                promotion.release()
             if promotion.obj.is_pinned:
                 continue  # a lookup holds it: it is being used
             if hot.remove(promotion.key):
