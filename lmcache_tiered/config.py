@@ -222,8 +222,8 @@ SETTINGS: dict[str, Setting] = {
     "warmup.min_precision": Setting(
         _fraction,
         0.25,
-        "below this share of recent promotions to hot used in time, the policy "
-        "is held back to one unit in eight until it recovers (0: never)",
+        "below this share of recent promotions to hot used, the policy is held "
+        "back to one unit of work in eight until it recovers (0: never)",
     ),
     "warmup.tick_ms": Setting(
         _positive(_parse_float), 50.0, "period of the policies' on_tick event"

@@ -71,8 +71,8 @@ class WarmupStats:
     timely: int = 0
     #: demand reads of a chunk whose promotion was still queued or running
     late: int = 0
-    #: promotions to hot whose deadline passed before any lookup used them
-    expired: int = 0
+    #: promotions to hot that left the CPU tier before any lookup used them
+    wasted: int = 0
     #: plan keys dropped: past their deadline, or already where they should be
     cancelled: int = 0
     #: plan keys skipped while the benefit guard held the policy back

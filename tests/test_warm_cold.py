@@ -19,7 +19,7 @@ from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
 from lmcache_tiered.metrics import collector
 from lmcache_tiered.warmup.base import Plan
-from lmcache_tiered.warmup.promoter import GUARD_MIN, GUARD_PROBE_EVERY
+from lmcache_tiered.warmup.promoter import GUARD_MIN, GUARD_PROBE_EVERY, UNIT_KEYS
 
 EngineFactory = Callable[..., Any]
 CHUNK = 256
@@ -393,34 +393,42 @@ def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
     )
     cache = cache_of(engine)
     stats = cache.promoter.stats
-    rounds = GUARD_MIN // 2 + 2 * GUARD_PROBE_EVERY
-    requests = [store(engine, connector, 2, seed=100 + i)[0] for i in range(rounds)]
+    # one unit of work (UNIT_KEYS chunks) per request
+    judged = GUARD_MIN // UNIT_KEYS
+    rounds = judged + 2 * GUARD_PROBE_EVERY
+    requests = [
+        store(engine, connector, UNIT_KEYS, seed=100 + i)[0] for i in range(rounds)
+    ]
     harness.clear_cpu_tier(engine)
 
     def settled() -> int:
-        return (
-            stats.held_back + stats.cancelled + stats.bytes_promoted_hot // CHUNK_BYTES
-        )
+        promoted = stats.bytes_promoted_hot // CHUNK_BYTES
+        return stats.held_back + stats.cancelled + promoted
 
     def promote_unused(tokens: Any) -> None:
-        """Plan a request's two chunks for hot; nothing looks them up."""
+        """Plan a request's chunks for hot; nothing looks them up."""
         before = settled()
         keys = tuple(harness.chunk_keys(engine, tokens))
         cache.promoter.submit([Plan(keys, "hot", cache.now() + 0.3)])
-        wait_until(lambda: settled() >= before + 2)
+        wait_until(lambda: settled() >= before + UNIT_KEYS)
 
-    for tokens in requests[: GUARD_MIN // 2]:
+    for tokens in requests[:judged]:
         promote_unused(tokens)
-        expired = stats.expired
-        wait_until(lambda: stats.expired >= expired + 2)  # noqa: B023
+
+        def dropped_unused(at_least: int = stats.wasted + UNIT_KEYS) -> bool:
+            """Unpinned at the deadline, then dropped by LMCache unused."""
+            return harness.clear_cpu_tier(engine) == 0 and stats.wasted >= at_least
+
+        wait_until(dropped_unused)
     assert stats.held_back == 0  # it takes GUARD_MIN misses to judge
     promoted = stats.bytes_promoted_hot
-    for tokens in requests[GUARD_MIN // 2 :]:
+    for tokens in requests[judged:]:
         promote_unused(tokens)
-    ran = (stats.bytes_promoted_hot - promoted) // CHUNK_BYTES
+    ran = (stats.bytes_promoted_hot - promoted) // CHUNK_BYTES // UNIT_KEYS
     assert stats.cancelled == 0
     if min_precision:
         # one unit in GUARD_PROBE_EVERY still runs and keeps measuring
-        assert ran == 4 and stats.held_back == 2 * (2 * GUARD_PROBE_EVERY - 2)
+        assert ran == 2
+        assert stats.held_back == UNIT_KEYS * (2 * GUARD_PROBE_EVERY - 2)
     else:
-        assert ran == 2 * 2 * GUARD_PROBE_EVERY and stats.held_back == 0
+        assert ran == 2 * GUARD_PROBE_EVERY and stats.held_back == 0

@@ -16,8 +16,10 @@ wait (queued, not dropped) until a promotion is used or expires.
 
 Warm-up must not cost more than it saves: a benefit guard watches the last
 promotions to hot, and while fewer than ``min_precision`` of them were used
-before their deadline it runs only one unit of work in GUARD_PROBE_EVERY
-(those keep measuring, so a policy that starts to pay is let go again).
+before LMCache dropped them it runs only one unit of work in
+GUARD_PROBE_EVERY, copies to warm included (they come from the same
+predictions; the probes keep measuring, so a policy that starts to pay is
+let go again).
 
 Without a hot tier (LMCache's multi-process server, where the L2 adapter
 has no CPU tier of its own below LMCache's L1) a plan for hot is a plan for
@@ -56,9 +58,9 @@ logger = logging.getLogger("lmcache_tiered")
 #: chunks per unit of warm-up work: a demand read waits for at most one unit
 UNIT_KEYS = 8
 #: the benefit guard judges the last GUARD_WINDOW promotions to hot settled
-#: (used, or expired unused), once there are GUARD_MIN of them
-GUARD_WINDOW = 64
-GUARD_MIN = 16
+#: (used, or dropped by LMCache unused), once there are GUARD_MIN of them
+GUARD_WINDOW = 256
+GUARD_MIN = 64
 #: while the guard holds a policy back, one unit in this many still runs
 GUARD_PROBE_EVERY = 8
 
@@ -407,16 +409,15 @@ class Promoter:
                 return
             self.stats.timely += 1
             self.stats.bytes_used += promotion.size
-            if promotion.pinned:  # not yet settled as expired
-                self._outcomes.append(True)
+            self._outcomes.append(True)
             promotion.release()  # the lookup holds its own pin now
             self._hot_full = False
             self._cond.notify_all()
 
     def _settle(self) -> list[_Promotion]:
-        """Forget the promotions LMCache dropped, unpin those past their
-        deadline (still cached, LMCache's to evict; each a miss for the
-        guard); the promotions still pinned."""
+        """Unpin promotions past their deadline (still cached: a late request
+        may still use them, or LMCache evicts them), settle those LMCache
+        dropped unused as wasted; the promotions still pinned."""
         hot = self.hot
         assert hot is not None
         now = self.view.now()
@@ -428,13 +429,13 @@ class Promoter:
             for digest, promotion in promoted:
                 if self._promoted.get(digest) is not promotion:
                     continue
-                expired = promotion.pinned and promotion.deadline < now
-                self.stats.expired += expired
-                if expired or (promotion.pinned and not cached[digest]):
-                    self._outcomes.append(False)
-                    promotion.release()
                 if not cached[digest]:
                     del self._promoted[digest]
+                    self.stats.wasted += 1
+                    self._outcomes.append(False)
+                    promotion.release()
+                elif promotion.pinned and promotion.deadline < now:
+                    promotion.release()
                 elif promotion.pinned:
                     pinned.append(promotion)
         return pinned
