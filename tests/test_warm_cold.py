@@ -36,9 +36,10 @@ def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, A
     return tokens, kv
 
 
-def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
+def two_chunks_warm_over_cold(
     engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
-) -> None:
+) -> tuple[Any, Any, Any]:
+    """An engine, its connector and cache: a warm tier of two chunks over cold."""
     extra = plugin_extra_config(
         device_dirs,
         **{
@@ -48,7 +49,15 @@ def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
         },
     )
     engine, connector = engine_factory(extra, chunk_size=CHUNK)
-    cache = cache_of(engine)
+    return engine, connector, cache_of(engine)
+
+
+def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
+    engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
+) -> None:
+    engine, connector, cache = two_chunks_warm_over_cold(
+        engine_factory, device_dirs, cold_dir
+    )
     first, first_kv = store(engine, connector, 2, seed=1)
     second, _ = store(engine, connector, 2, seed=11)
     first_keys = harness.chunk_keys(engine, first)
@@ -351,16 +360,9 @@ def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
 def test_a_read_spanning_warm_and_cold_reads_both_at_once(
     engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
 ) -> None:
-    extra = plugin_extra_config(
-        device_dirs,
-        **{
-            "warm.capacity_gb": TWO_CHUNKS_GB,
-            "cold.paths": [str(cold_dir)],
-            "cold.capacity_gb": 0.1,
-        },
+    engine, connector, cache = two_chunks_warm_over_cold(
+        engine_factory, device_dirs, cold_dir
     )
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
-    cache = cache_of(engine)
     tokens, kv = store(engine, connector, 4, seed=5)
     where = [cache.tier_of(k) for k in harness.chunk_keys(engine, tokens)]
     assert sorted(where) == ["cold", "cold", "warm", "warm"]
