@@ -399,6 +399,7 @@ def test_repeated_runs_combine_to_medians() -> None:
         {
             "ttft_p50_s": t,
             "ttft_p90_s": t,
+            "ttft_mean_s": t,
             "throughput_rps": 1.0,
             "throughput_tps": 1.0,
             "hit_rate": {"hot": h},
@@ -418,7 +419,12 @@ def test_repeated_runs_combine_to_medians() -> None:
 
 def test_paired_changes_compare_run_i_with_run_i_of_none() -> None:
     def entry(ttft: list[float], tps: list[float]) -> dict[str, object]:
-        per_run = {"ttft_p50_s": ttft, "ttft_p90_s": ttft, "throughput_tps": tps}
+        per_run = {
+            "ttft_p50_s": ttft,
+            "ttft_p90_s": ttft,
+            "ttft_mean_s": ttft,
+            "throughput_tps": tps,
+        }
         return {"per_run": per_run}
 
     summaries = {
