@@ -136,7 +136,7 @@ class Promoter:
         self.tick_s = tick_s
         self.min_precision = min_precision
         self.stats = WarmupStats()
-        #: settled promotions to hot, oldest first: used in time or not
+        #: settled promotions to hot, oldest first: used (True) or wasted
         self._outcomes: deque[bool] = deque(maxlen=GUARD_WINDOW)
         self._units = itertools.count()
         self._cond = threading.Condition()
