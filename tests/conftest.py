@@ -15,6 +15,7 @@ from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.keys import key_digest
 from lmcache_tiered.tier import Tier
 
 ENGINES = ["uring", "threads"]
@@ -123,3 +124,22 @@ def tier_factory(device_dirs: list[Path]) -> Iterator[Callable[..., Tier]]:
 def random_kv(shape: torch.Size, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+
+def payload_offset(tier: Tier, key: Any) -> tuple[str, int]:
+    """The slab file and offset where ``key``'s payload starts in ``tier``."""
+    entry = tier._entries[key_digest(key)]
+    extent = tier.geometry.extents(entry.slot, entry.header.payload_size)[0]
+    return tier.slab_paths[extent.device], extent.offset
+
+
+def store_request(
+    engine: Any, connector: Any, n_tokens: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store a request of ``n_tokens`` (tokens from ``seed``, KV from
+    ``seed + 1``) and wait until every lower tier holds it durably."""
+    tokens = harness.make_tokens(n_tokens, seed=seed)
+    kv = harness.make_kv(connector, n_tokens, seed=seed + 1)
+    harness.store_tokens(engine, tokens, kv)
+    harness.wait_for_puts(engine, tokens)
+    return tokens, kv

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ENGINES, plugin_extra_config
+from conftest import ENGINES, plugin_extra_config, store_request
 
 import lmcache_tiered.backend as backend_module
 from lmcache_tiered.backend import TieredBackend, pinned_pool
@@ -49,10 +49,8 @@ def test_store_clear_cpu_retrieve_identical(
     )
     backend = tiered(engine)
     assert warm_tier(backend).engine.name == io_engine
-    tokens = harness.make_tokens(1000, seed=1)  # 3 full chunks + a partial one
-    kv = harness.make_kv(connector, 1000, seed=2)
-    harness.store_tokens(engine, tokens, kv)
-    harness.wait_for_puts(engine, tokens)
+    # 3 full chunks + a partial one
+    tokens, kv = store_request(engine, connector, 1000, seed=1)
     assert len(backend.get_keys()) == 4
     assert harness.clear_cpu_tier(engine) == 0
     if async_loading:
@@ -111,10 +109,7 @@ def test_put_skips_stored_and_queued_keys_and_keeps_refcounts(
 ) -> None:
     engine, connector = engine_factory(plugin_extra_config(device_dirs))
     backend = tiered(engine)
-    tokens = harness.make_tokens(512, seed=3)
-    kv = harness.make_kv(connector, 512, seed=4)
-    harness.store_tokens(engine, tokens, kv)
-    harness.wait_for_puts(engine, tokens)
+    tokens, kv = store_request(engine, connector, 512, seed=3)
     puts = warm_tier(backend).stats.puts
     harness.store_tokens(engine, tokens, kv)  # the same chunks again
     backend.flush()
@@ -197,10 +192,7 @@ def test_get_non_blocking_returns_a_future_of_the_chunk(
 ) -> None:
     engine, connector = engine_factory(plugin_extra_config(device_dirs))
     backend = tiered(engine)
-    tokens = harness.make_tokens(256, seed=21)
-    kv = harness.make_kv(connector, 256, seed=22)
-    harness.store_tokens(engine, tokens, kv)
-    backend.flush()
+    tokens, _ = store_request(engine, connector, 256, seed=21)
     (key,) = harness.chunk_keys(engine, tokens)
     future = backend.get_non_blocking(key)
     assert future is not None
@@ -239,10 +231,7 @@ def test_pinned_cpu_pool_serves_reads_as_fixed_buffers(
         plugin_extra_config(device_dirs, io_engine="uring"), max_local_cpu_size_gb=0.1
     )
     ring = warm_tier(tiered(engine)).engine
-    tokens = harness.make_tokens(3 * 256, seed=5)
-    kv = harness.make_kv(connector, 3 * 256, seed=6)
-    harness.store_tokens(engine, tokens, kv)
-    harness.wait_for_puts(engine, tokens)
+    tokens, kv = store_request(engine, connector, 3 * 256, seed=5)
     assert harness.clear_cpu_tier(engine) == 0
     fixed = ring.stats()["fixed"]
     out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)

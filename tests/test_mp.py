@@ -189,9 +189,12 @@ def adapter_factory(
 ) -> Iterator[Callable[..., TieredL2Adapter]]:
     opened: list[TieredL2Adapter] = []
 
-    def open_adapter(**settings: Any) -> TieredL2Adapter:
+    def open_adapter(
+        dirs: list[Path] | None = None, **settings: Any
+    ) -> TieredL2Adapter:
+        """An adapter on ``dirs`` (default: the device directories)."""
         settings.setdefault("slot_mb", CHUNK / 2**20)
-        adapter = TieredL2Adapter(params(device_dirs, **settings))
+        adapter = TieredL2Adapter(params(dirs or device_dirs, **settings))
         opened.append(adapter)
         return adapter
 
@@ -514,7 +517,7 @@ def slots(count: int) -> float:
     return count * SLOT / GIB
 
 
-def cache_of(adapter: TieredL2Adapter) -> TieredCache:
+def adapter_cache(adapter: TieredL2Adapter) -> TieredCache:
     assert adapter.cache is not None
     return adapter.cache
 
@@ -540,7 +543,7 @@ def test_write_back_demotes_warm_victims_to_cold_without_deleting_them(
     src = [memory_obj(seed=i) for i in range(6)]
     for i in range(0, 6, 2):
         assert caller.store(keys[i : i + 2], src[i : i + 2])
-    cache = cache_of(adapter)
+    cache = adapter_cache(adapter)
     assert [cache.tier_of(k) for k in keys] == ["cold"] * 4 + ["warm"] * 2
     assert cache.warm.stats.evictions == 4
     assert caller.lookup(keys) == list(range(6))
@@ -574,7 +577,7 @@ def test_a_chunk_that_leaves_its_last_tier_is_deleted(
     keys = [okey(i) for i in range(6)]
     for i in range(0, 6, 2):
         assert caller.store(keys[i : i + 2], [memory_obj(seed=i), memory_obj()])
-    cache = cache_of(adapter)
+    cache = adapter_cache(adapter)
     assert [cache.tier_of(k) for k in keys] == [None] * 2 + ["cold"] * 2 + ["warm"] * 2
     assert sorted(recorder.deleted, key=key_text) == keys[:2]
     assert adapter.get_usage().total_bytes_used == 4 * SLOT
@@ -629,7 +632,7 @@ def test_cold_hit_is_copied_to_warm_before_the_callers_buffer_is_reused(
     src = [memory_obj(seed=i) for i in range(4)]
     assert caller.store(keys[:2], src[:2])
     assert caller.store(keys[2:], src[2:])
-    cache = cache_of(adapter)
+    cache = adapter_cache(adapter)
     assert [cache.tier_of(k) for k in keys] == ["cold"] * 2 + ["warm"] * 2
     dst = [memory_obj() for _ in range(2)]
     with cache._store_lock:  # no write, the copies' included, until released
@@ -648,51 +651,50 @@ def test_cold_hit_is_copied_to_warm_before_the_callers_buffer_is_reused(
     assert recorder.deleted == []
 
 
-def test_two_servers_sharing_a_cold_tier(tmp_path: Path, cold_dir: Path) -> None:
+def test_two_servers_sharing_a_cold_tier(
+    adapter_factory: Callable[..., TieredL2Adapter], tmp_path: Path, cold_dir: Path
+) -> None:
     """Two servers (own warm directories, own host ids) on one cold
     directory: B finds, pins and loads what A wrote through to cold, then
     holds its own copy in warm, which its listeners count as stored."""
     adapters = []
-    try:
-        for host in ("host-a", "host-b"):
-            warm = tmp_path / f"warm-{host}"
-            warm.mkdir()
-            settings = {
-                "cold.paths": [str(cold_dir)],
-                "cold.write": "through",
-                "host_id": host,
-                "slot_mb": CHUNK / 2**20,
-            }
-            adapters.append(TieredL2Adapter(params([warm], **settings)))
-        a, b = adapters
-        keys = [okey(i) for i in range(3)]
-        src = [memory_obj(seed=i) for i in range(3)]
-        assert Caller(a).store(keys, src)
-        assert sorted(os.listdir(cold_dir)) == [
-            f"kv-mp-{h}.{ext}"
-            for h in ("host-a", "host-b")
-            for ext in ("hdr", "lock", "slab")
-        ]
-        recorder = Recorder()
-        b.register_listener(recorder)
-        caller = Caller(b)
-        assert caller.lookup(keys) == []  # not seen yet
-        cache_of(b).shared.refresh()  # what its background thread does every 2 s
-        assert caller.lookup(keys) == [0, 1, 2]
-        dst = [memory_obj() for _ in keys]
-        assert caller.load(keys, dst) == [0, 1, 2]
-        assert all(
-            torch.equal(x.tensor, y.tensor) for x, y in zip(src, dst, strict=True)
+    for host in ("host-a", "host-b"):
+        warm = tmp_path / f"warm-{host}"
+        warm.mkdir()
+        adapters.append(
+            adapter_factory(
+                [warm],
+                **{
+                    "cold.paths": [str(cold_dir)],
+                    "cold.write": "through",
+                    "host_id": host,
+                },
+            )
         )
-        cache_b = cache_of(b)
-        cache_b.flush()  # the copies to B's warm tier (write-through: and cold)
-        assert all(cache_b.warm.header(k) is not None for k in keys)
-        assert recorder.stored == keys and recorder.accessed == keys
-        assert b.get_usage().total_bytes_used == 3 * SLOT
-        b.submit_unlock(keys)
-    finally:
-        for adapter in adapters:
-            adapter.close()
+    a, b = adapters
+    keys = [okey(i) for i in range(3)]
+    src = [memory_obj(seed=i) for i in range(3)]
+    assert Caller(a).store(keys, src)
+    assert sorted(os.listdir(cold_dir)) == [
+        f"kv-mp-{h}.{ext}"
+        for h in ("host-a", "host-b")
+        for ext in ("hdr", "lock", "slab")
+    ]
+    recorder = Recorder()
+    b.register_listener(recorder)
+    caller = Caller(b)
+    assert caller.lookup(keys) == []  # not seen yet
+    adapter_cache(b).shared.refresh()  # what its background thread does every 2 s
+    assert caller.lookup(keys) == [0, 1, 2]
+    dst = [memory_obj() for _ in keys]
+    assert caller.load(keys, dst) == [0, 1, 2]
+    assert all(torch.equal(x.tensor, y.tensor) for x, y in zip(src, dst, strict=True))
+    cache_b = adapter_cache(b)
+    cache_b.flush()  # the copies to B's warm tier (write-through: and cold)
+    assert all(cache_b.warm.header(k) is not None for k in keys)
+    assert recorder.stored == keys and recorder.accessed == keys
+    assert b.get_usage().total_bytes_used == 3 * SLOT
+    b.submit_unlock(keys)
 
 
 def store_two_chains(
@@ -705,7 +707,7 @@ def store_two_chains(
     second = [okey(i) for i in range(10, 14)]
     assert caller.store(first, [memory_obj(seed=i) for i in range(4)])
     assert caller.store(second, [memory_obj() for _ in second])
-    cache = cache_of(adapter)
+    cache = adapter_cache(adapter)
     assert [cache.tier_of(k) for k in first + second] == ["cold"] * 4 + ["warm"] * 4
     return first, second
 
@@ -727,7 +729,7 @@ def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
     recorder = Recorder()
     adapter.register_listener(recorder)
     first, second = store_two_chains(adapter)
-    cache = cache_of(adapter)
+    cache = adapter_cache(adapter)
     assert Caller(adapter).lookup(first[:1]) == [0]
     wait_until(lambda: all(cache.tier_of(k) == "warm" for k in first))
     assert [cache.tier_of(k) for k in second] == ["cold"] * 4
@@ -754,7 +756,7 @@ def test_no_warmup_policy_leaves_cold_chunks_in_cold(
         }
     )
     first, _ = store_two_chains(adapter)
-    cache = cache_of(adapter)
+    cache = adapter_cache(adapter)
     assert Caller(adapter).lookup(first[:1]) == [0]
     time.sleep(0.3)
     assert [cache.tier_of(k) for k in first] == ["cold"] * 4

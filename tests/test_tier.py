@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGINES, random_kv
+from conftest import ENGINES, payload_offset, random_kv
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
@@ -98,14 +98,6 @@ def test_second_live_owner_is_refused(tier_factory: TierFactory) -> None:
         tier_factory()
 
 
-def _payload_offset(tier: Tier, k: CacheEngineKey) -> tuple[str, int]:
-    entry = tier._entries[
-        next(d for d, e in tier._entries.items() if e.header.key == k)
-    ]
-    extent = tier.geometry.extents(entry.slot, entry.header.payload_size)[0]
-    return os.path.join(tier.paths[extent.device], "kv-w0.slab"), extent.offset
-
-
 @pytest.mark.parametrize("verify_reads", [True, False])
 def test_flipped_payload_byte_is_a_miss_and_dropped(
     tier_factory: TierFactory,
@@ -116,7 +108,7 @@ def test_flipped_payload_byte_is_a_miss_and_dropped(
     checked on first read, so bit rot or a torn write is never served."""
     tier = tier_factory()
     tier.write([(key(i), make_obj(allocator, i)) for i in range(3)])
-    path, offset = _payload_offset(tier, key(1))
+    path, offset = payload_offset(tier, key(1))
     tier.close()
     with open(path, "r+b") as f:
         f.seek(offset + 100)

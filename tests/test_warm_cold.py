@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import cache_of, plugin_extra_config, wait_until
+from conftest import cache_of, payload_offset, plugin_extra_config, wait_until
 from prometheus_client import generate_latest
 
 from lmcache_tiered.backend import TieredBackend
@@ -341,12 +341,9 @@ def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
     # A rewrites a chunk's bytes behind B's back: B's next read is a miss
     (foreign,) = cache_b.shared.tiers()
     key = harness.chunk_keys(engine_b, tokens)[0]
-    entry = foreign._entries[
-        next(d for d, e in foreign._entries.items() if e.header.key == key)
-    ]
-    extent = foreign.geometry.extents(entry.slot, entry.header.payload_size)[0]
-    with open(foreign.paths[extent.device] + "/kv-w0-host-a.slab", "r+b") as f:
-        f.seek(extent.offset)
+    path, offset = payload_offset(foreign, key)
+    with open(path, "r+b") as f:
+        f.seek(offset)
         f.write(b"\xff" * 16)
     cache_b.flush()  # B's copies of the chunks it read go to its warm tier
     harness.clear_cpu_tier(engine_b)
@@ -416,12 +413,11 @@ def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
 
     for tokens in requests[:judged]:
         promote_unused(tokens)
-
-        def dropped_unused(at_least: int = stats.wasted + UNIT_KEYS) -> bool:
-            """Unpinned at the deadline, then dropped by LMCache unused."""
-            return harness.clear_cpu_tier(engine) == 0 and stats.wasted >= at_least
-
-        wait_until(dropped_unused)
+        # unpinned at the deadline, then dropped by LMCache unused
+        target = stats.wasted + UNIT_KEYS
+        wait_until(
+            lambda t=target: harness.clear_cpu_tier(engine) == 0 and stats.wasted >= t
+        )
     assert stats.held_back == 0  # it takes GUARD_MIN misses to judge
     promoted = stats.bytes_promoted_hot
     for tokens in requests[judged:]:

@@ -58,11 +58,6 @@ class Contender:
     extra: dict[str, Any]
     engine: Any = None
     requests: list[torch.Tensor] = field(default_factory=list)
-    read_gbps: list[float] = field(default_factory=list)
-    #: bytes the kernel read from storage / bytes served, per round: 1.0 means
-    #: every byte came from disk (not from a cache somewhere)
-    disk_share: list[float] = field(default_factory=list)
-    write_gbps: float | None = None
 
 
 def contenders(
@@ -123,8 +118,9 @@ def contenders(
     return found
 
 
-def fill(contender: Contender, chunk_bytes: int, n_requests: int) -> None:
-    """Build the contender's engine and store ``n_requests`` x 32 chunks."""
+def fill(contender: Contender, chunk_bytes: int, n_requests: int) -> float:
+    """Build the contender's engine and store ``n_requests`` x 32 chunks;
+    the write GB/s."""
     layers = chunk_bytes // (2 * CHUNK_TOKENS * HEADS * HEAD_SIZE * 2)
     config = harness.build_config(
         chunk_size=CHUNK_TOKENS,
@@ -145,11 +141,13 @@ def fill(contender: Contender, chunk_bytes: int, n_requests: int) -> None:
     for tokens in contender.requests:
         harness.wait_for_puts(contender.engine, tokens, timeout=600)
     elapsed = time.perf_counter() - started
-    contender.write_gbps = n_requests * REQUEST_CHUNKS * chunk_bytes / elapsed / 1e9
+    return n_requests * REQUEST_CHUNKS * chunk_bytes / elapsed / 1e9
 
 
-def read_round(contender: Contender, chunk_bytes: int) -> float:
-    """Cold-read every stored chunk through StorageManager.batched_get."""
+def read_round(contender: Contender, chunk_bytes: int) -> tuple[float, float]:
+    """Cold-read every stored chunk through StorageManager.batched_get: GB/s,
+    and bytes the kernel read from storage per byte served (1.0: every byte
+    came from disk, not from a cache somewhere)."""
     engine = contender.engine
     harness.clear_cpu_tier(engine)
     drop_page_cache()
@@ -166,8 +164,8 @@ def read_round(contender: Contender, chunk_bytes: int) -> float:
         harness.clear_cpu_tier(engine)
     elapsed = time.perf_counter() - started
     served = len(contender.requests) * REQUEST_CHUNKS * chunk_bytes
-    contender.disk_share.append((storage_bytes_read() - disk_before) / served)
-    return served / elapsed / 1e9
+    disk_share = (storage_bytes_read() - disk_before) / served
+    return served / elapsed / 1e9, disk_share
 
 
 def storage_bytes_read() -> int:
@@ -205,6 +203,8 @@ class Placement:
     fill_order: list[str]
     ceiling_gbps: list[float] = field(default_factory=list)
     read_gbps: dict[str, list[float]] = field(default_factory=dict)
+    #: storage bytes read per byte served, per contender and round
+    disk_share: dict[str, list[float]] = field(default_factory=dict)
     write_gbps: dict[str, float] = field(default_factory=dict)
 
 
@@ -224,9 +224,9 @@ def run_placement(
         placement = Placement([c.name for c in runs])
         for contender in runs:
             progress(f"placement {index + 1}: storing through {contender.name}")
-            fill(contender, chunk_bytes, n_requests)
-            assert contender.write_gbps is not None
-            placement.write_gbps[contender.name] = contender.write_gbps
+            placement.write_gbps[contender.name] = fill(
+                contender, chunk_bytes, n_requests
+            )
         tiered = next(c for c in runs if c.name == "tiered")
         warm = harness.get_backends(tiered.engine)["tiered"].cache.warm
         slabs = warm.slab_paths
@@ -237,9 +237,9 @@ def run_placement(
             gbps, method = ceiling(slabs, chunk_bytes, total_bytes)
             placement.ceiling_gbps.append(gbps)
             for contender in runs:
-                placement.read_gbps.setdefault(contender.name, []).append(
-                    read_round(contender, chunk_bytes)
-                )
+                gbps, disk_share = read_round(contender, chunk_bytes)
+                placement.read_gbps.setdefault(contender.name, []).append(gbps)
+                placement.disk_share.setdefault(contender.name, []).append(disk_share)
         return placement, method, warm.engine.name
     finally:
         harness.destroy_all_engines()
@@ -253,16 +253,11 @@ def paired_median(
 ) -> float | None:
     """Median over all rounds of ``over``'s GB/s divided by ``under``'s (or
     the ceiling's) in the same round."""
-    ratios = [
-        a / b
-        for p in placements
-        if over in p.read_gbps and (under is None or under in p.read_gbps)
-        for a, b in zip(
-            p.read_gbps[over],
-            p.ceiling_gbps if under is None else p.read_gbps[under],
-            strict=True,
-        )
-    ]
+    ratios: list[float] = []
+    for p in placements:
+        base = p.ceiling_gbps if under is None else p.read_gbps.get(under)
+        if over in p.read_gbps and base:
+            ratios += [a / b for a, b in zip(p.read_gbps[over], base, strict=True)]
     return statistics.median(ratios) if ratios else None
 
 

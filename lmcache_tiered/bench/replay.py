@@ -379,13 +379,13 @@ def build_variant(
         raise VariantUnavailable(f"the tiered backend did not load: {reason}")
     for record in capture.records:
         plugin_logger.handle(record)
-    if backend.cache is not None:
+    if (cache := backend.cache) is not None:
         # policies' time settings are production seconds: run their clock as
         # fast as the replay's
-        backend.cache.time_scale = setup.clock
-    cold = backend.cache.tiers.get("cold") if backend.cache is not None else None
-    if setup.cold_link is not None and cold is not None:
-        emulate_link(cold, setup.cold_link, setup.clock)
+        cache.time_scale = setup.clock
+        cold = cache.tiers.get("cold")
+        if setup.cold_link is not None and cold is not None:
+            emulate_link(cold, setup.cold_link, setup.clock)
     return engine, backend
 
 
