@@ -38,6 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -400,8 +401,13 @@ class TieredCache:
                 )
                 for n, share in parts[1:]
             ]
-            for n, share in parts[:1]:
-                self._read_tier(order[n], keys, share, into, objs, tried)
+            try:
+                for n, share in parts[:1]:
+                    self._read_tier(order[n], keys, share, into, objs, tried)
+            finally:
+                # never return while a pool read still writes into the
+                # caller's buffers
+                futures.wait(reads)
             for read in reads:
                 read.result()
             # keys that moved meanwhile or failed a tier's checks: the other

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 from lmcache.utils import CacheEngineKey
 
@@ -24,6 +25,10 @@ logger = logging.getLogger("lmcache_tiered")
 
 #: seconds between looks at what the other hosts stored
 REFRESH_S = 2.0
+#: a header file is read again only if its size or mtime changed, or its mtime
+#: was within this many seconds of our last read (a file system with coarse
+#: timestamps could hide a write in the same tick)
+MTIME_SLACK_S = 2.0
 
 
 class SharedCold:
@@ -36,6 +41,8 @@ class SharedCold:
         self._settings = settings
         self._max_payload = max_payload
         self._foreign: dict[str, Tier] = {}
+        #: header file -> (size, mtime_ns, wall time) when we last read it
+        self._read_at: dict[str, tuple[int, int, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -54,7 +61,8 @@ class SharedCold:
         return next((h for t in self.tiers() if (h := t.header(key))), None)
 
     def refresh(self) -> None:
-        """Open the header files that appeared, re-read the known ones."""
+        """Open the header files that appeared, re-read the known ones that
+        changed."""
         own, settings = self._own, self._settings
         assert own is not None and settings.cold is not None
         ours = os.path.basename(own.header_path)
@@ -63,6 +71,17 @@ class SharedCold:
                 continue
             tier = self._foreign.get(name)
             try:
+                stat = os.stat(os.path.join(own.paths[0], name))
+                stamp = (stat.st_size, stat.st_mtime_ns)
+                read = self._read_at.get(name)
+                if (
+                    tier is not None
+                    and read is not None
+                    and read[:2] == stamp
+                    and read[2] - stat.st_mtime_ns / 1e9 > MTIME_SLACK_S
+                ):
+                    continue  # unchanged since we read it
+                read_at = time.time()
                 if tier is None:
                     tier = Tier(
                         settings.cold,
@@ -76,6 +95,7 @@ class SharedCold:
                         self._foreign[name] = tier
                 else:
                     tier.refresh()
+                self._read_at[name] = (*stamp, read_at)
             except (OSError, ValueError) as exc:  # its files are half-made or gone
                 logger.debug("shared cold tier: skipping %s: %s", name, exc)
 

@@ -4,6 +4,7 @@ demotion, warm-up policies, demand-first ordering and metrics."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -352,6 +353,40 @@ def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
     _, mask = harness.retrieve_tokens(engine_b, tokens, connector=connector_b)
     assert int(mask.sum()) == 0
     assert foreign.stats.corrupt == 1
+
+
+def test_shared_cold_rereads_only_header_files_that_changed(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    cold_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engines = []
+    for host in ("host-a", "host-b"):
+        warm = tmp_path / f"warm-{host}"
+        warm.mkdir()
+        extra = plugin_extra_config(
+            [warm], **{"cold.paths": str(cold_dir), "cold.write": "through"}
+        )
+        extra["tiered.host_id"] = host
+        engines.append(engine_factory(extra, chunk_size=CHUNK))
+    (engine_a, connector_a), (engine_b, _) = engines
+    first, _ = store(engine_a, connector_a, 1, seed=61)
+    shared = cache_of(engine_b).shared
+    shared.refresh()
+    (foreign,) = shared.tiers()
+    rereads: list[int] = []
+    monkeypatch.setattr(foreign, "refresh", lambda: rereads.append(1))
+    header = Path(foreign.header_path)
+    old = header.stat().st_mtime - 60
+    os.utime(header, (old, old))  # written well before our last read
+    shared.refresh()  # a read at this stamp: the next one can skip it
+    shared.refresh()
+    assert len(rereads) == 1
+    store(engine_a, connector_a, 1, seed=62)  # A writes again
+    shared.refresh()
+    assert len(rereads) == 2
+    assert harness.lookup(engine_b, first) == CHUNK
 
 
 def test_a_read_spanning_warm_and_cold_reads_both_at_once(

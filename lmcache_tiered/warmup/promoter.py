@@ -235,7 +235,7 @@ class Promoter:
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + self.tick_s
-                self._guard(self._tick, now)
+                self._guard(self._tick)
             unit = self._next_unit()
             if unit is not None:
                 if self._held_back():
@@ -245,7 +245,7 @@ class Promoter:
                 with self._cond:
                     self._inflight.clear()
 
-    def _tick(self, now: float) -> None:
+    def _tick(self) -> None:
         if self.hot is not None:
             self._settle()
         with self._cond:
@@ -457,13 +457,13 @@ class Promoter:
                 break
             with self._cond:  # _used may release it meanwhile
                 promotion.release()
+            used -= promotion.size  # no longer held by the promoter
             if promotion.obj.is_pinned:
                 continue  # a lookup holds it: it is being used
             if hot.remove(promotion.key):
                 with self._cond:
                     self._promoted.pop(key_digest(promotion.key), None)
                 displaced.setdefault(promotion.deadline, []).append(promotion.key)
-            used -= promotion.size
         # displaced promotions are still wanted: they wait for room again
         for when, keys in displaced.items():
             self._requeue(_Queued(when, next(self._seq), "hot", tuple(keys)))
