@@ -55,7 +55,7 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -625,6 +625,7 @@ class TieredL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict[str, Any]:
         cache = self.cache
+        counters = {} if cache is None else cache.snapshot()
         return {
             "is_healthy": not self._closed
             and all(w.is_alive() for w in self._all_workers()),
@@ -632,14 +633,13 @@ class TieredL2Adapter(L2AdapterInterface):
             "tiers": {
                 name: {
                     "paths": list(t.paths),
-                    "chunks": len(t),
                     "engine": t.engine.name,
                     "direct_io": t.direct_io,
-                    **asdict(t.stats),
+                    **counters["tiers"][name],
                 }
                 for name, t in ({} if cache is None else cache.tiers).items()
             },
-            "warmup": None if cache is None else cache.snapshot()["warmup"],
+            "warmup": counters.get("warmup"),
         }
 
     def _all_workers(self) -> list[_Worker[_Task] | _Worker[_Task | _Unlock]]:
