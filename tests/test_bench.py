@@ -378,6 +378,31 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
     assert "paired_change_vs_none" not in policies["none"]
 
 
+def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(tmp_path: Path) -> None:
+    assert replay.number_twins(["none", "hinted", "none", "none"]) == [
+        "none",
+        "hinted",
+        "none#2",
+        "none#3",
+    ]
+    out = tmp_path / "aa.json"
+    args = bench_args(
+        tmp_path,
+        session_trace(tmp_path),
+        "--policies",
+        "none,none",
+        "--no-baseline",
+        "--json",
+        str(out),
+    )
+    assert args.func(args) == 0
+    policies = json.loads(out.read_text())["policies"]
+    assert list(policies) == ["none", "none#2"]
+    twin = policies["none#2"]
+    assert twin["requests"] == policies["none"]["requests"] > 0
+    assert twin["backend_metrics"]["warmup"]["policy"] == "none"
+
+
 def test_percentile_interpolates() -> None:
     assert report.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
     assert report.percentile([5.0], 99) == 5.0

@@ -69,6 +69,9 @@ from lmcache_tiered.warmup import installed_policies
 
 #: Name of the no-plugin baseline: LMCache's own LocalDiskBackend.
 LOCAL_DISK = "lmcache_local_disk"
+#: A variant named again runs again as NAME#2, NAME#3, ...: ``none,none`` is
+#: an A/A pair whose paired change is the bench's own run-to-run noise.
+TWIN_MARK = "#"
 #: LMCache's chunk size (tokens per key) in every variant.
 CHUNK_TOKENS = 256
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
@@ -301,14 +304,32 @@ class _Dirs:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def policy_of(variant: str) -> str:
+    """The policy (or the stock baseline) a variant runs: its name, less any
+    twin number."""
+    return variant.partition(TWIN_MARK)[0]
+
+
+def number_twins(variants: Sequence[str]) -> list[str]:
+    """Each variant once: a name given again becomes NAME#2, NAME#3, ..."""
+    seen: Counter[str] = Counter()
+    numbered = []
+    for name in variants:
+        seen[name] += 1
+        count = seen[name]
+        numbered.append(name if count == 1 else f"{name}{TWIN_MARK}{count}")
+    return numbered
+
+
 def engine_config(name: str, setup: Setup, dirs: _Dirs) -> LMCacheEngineConfig:
-    """LMCache config of a variant: the plugin with policy ``name``, or stock."""
+    """LMCache config of variant ``name``: the plugin with its policy, or stock."""
+    policy = policy_of(name)
     memory: dict[str, Any] = {
         "chunk_size": CHUNK_TOKENS,
         "local_cpu": setup.hot_gb > 0,
         "max_local_cpu_size_gb": setup.hot_gb or setup.staging_gb,
     }
-    if name == LOCAL_DISK:
+    if policy == LOCAL_DISK:
         return harness.build_config(
             **memory,
             local_disk=",".join(dirs.warm),
@@ -322,7 +343,7 @@ def engine_config(name: str, setup: Setup, dirs: _Dirs) -> LMCacheEngineConfig:
         "tiered.warm.paths": dirs.warm,
         "tiered.warm.capacity_gb": setup.warm_gb,
         "tiered.io_engine": setup.io_engine,
-        "tiered.warmup.policy": name,
+        "tiered.warmup.policy": policy,
         # arrival hints reach the backend over loopback HTTP, as deployed
         "tiered.warmup.hint_port": 0,
     }
@@ -370,7 +391,7 @@ def build_variant(
         )
     finally:
         plugin_logger.removeFilter(capture)
-    if name == LOCAL_DISK:
+    if policy_of(name) == LOCAL_DISK:
         return engine, None
     backend = harness.get_backends(engine).get("tiered")
     if not isinstance(backend, TieredBackend):
@@ -830,7 +851,8 @@ def add_parser(subparsers: Any) -> None:
         "--policies",
         metavar="LIST",
         help="warm-up policies to compare, comma-separated (default: every "
-        "installed one, none first)",
+        "installed one, none first); a name given twice runs twice, as "
+        "NAME#2: 'none,none' measures the run-to-run noise",
     )
     tiers.add_argument(
         "--no-baseline",
@@ -1048,7 +1070,7 @@ def main(args: argparse.Namespace) -> int:
         f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"
     )
     print(describe(setup, requests, source), flush=True)
-    variants = policies + ([] if args.no_baseline else [LOCAL_DISK])
+    variants = number_twins(policies + ([] if args.no_baseline else [LOCAL_DISK]))
     runs: dict[str, list[RunResult]] = {}
     unavailable: dict[str, str] = {}
     workload = Workload.build(requests, setup.shape, args.seed)
