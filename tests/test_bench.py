@@ -378,7 +378,9 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
     assert "paired_change_vs_none" not in policies["none"]
 
 
-def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(tmp_path: Path) -> None:
+def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert replay.number_twins(["none", "hinted", "none", "none"]) == [
         "none",
         "hinted",
@@ -392,15 +394,19 @@ def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(tmp_path: Path) -> None:
         "--policies",
         "none,none",
         "--no-baseline",
+        "--repeat",
+        "2",
         "--json",
         str(out),
     )
     assert args.func(args) == 0
+    assert "(none#2: none again, so its change is" in capsys.readouterr().out
     policies = json.loads(out.read_text())["policies"]
     assert list(policies) == ["none", "none#2"]
     twin = policies["none#2"]
     assert twin["requests"] == policies["none"]["requests"] > 0
-    assert twin["backend_metrics"]["warmup"]["policy"] == "none"
+    assert len(twin["paired_change_vs_none"]["ttft_p50_s"]) == 2
+    assert [m["warmup"]["policy"] for m in twin["backend_metrics"]] == ["none"] * 2
 
 
 def test_percentile_interpolates() -> None:

@@ -1110,6 +1110,12 @@ def main(args: argparse.Namespace) -> int:
             print(report.spread_table(changes))
             for name, change in changes.items():
                 summaries[name]["paired_change_vs_none"] = change
+            twins = [name for name in changes if policy_of(name) == "none"]
+            if twins:
+                print(
+                    f"({', '.join(twins)}: none again, so its change is this "
+                    "machine's run-to-run noise; a change within it is not resolved)"
+                )
     else:
         print(
             "(one run per variant: repeat them, --repeat 3, before trusting "
