@@ -98,9 +98,10 @@ class LookaheadPolicy(_Planner):
 
     Helps when retrieve follows lookup by more than a read (vLLM defers a
     request that does not fit this step, async loading) and when requests
-    extend earlier ones (the continuation is then ready on local NVMe). Does
-    little when retrieve follows at once: the promoter yields to demand reads,
-    so it is at worst a duplicate that gets dropped. The continuation goes to
+    extend earlier ones (the continuation is then ready on local NVMe). Costs
+    when retrieve follows at once (vLLM's synchronous loading, the default):
+    a promotion already running competes with the read it was meant to speed
+    up, although the promoter starts no new one. The continuation goes to
     warm, not hot: this request does not need it (its own lookup missed it),
     so it is a guess, and a guess must not take the small hot budget.
     """
