@@ -1118,8 +1118,8 @@ def main(args: argparse.Namespace) -> int:
                 )
     else:
         print(
-            "(one run per variant: repeat them, --repeat 3, before trusting "
-            "small differences)"
+            "(one run per variant: single runs of one variant can differ by tens "
+            "of percent; --repeat 6 with none named twice shows by how much)"
         )
     for name, summary in summaries.items():
         if summary["lag_max_s"] > LAG_NOTE_S:
