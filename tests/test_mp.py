@@ -715,15 +715,17 @@ def store_two_chains(
 def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
     adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
 ) -> None:
-    """A lookup of chain A's head (in cold) makes lookahead plan the head for
-    "hot", which the adapter has not (so: warm), and A's continuation, learned
-    when A was stored, for warm; the promoter copies them from cold, demoting
-    chain B to make room. Nothing leaves L2."""
+    """A lookup of chain A's head (in cold) makes lookahead (asked to promote
+    what it finds) plan the head for "hot", which the adapter has not (so:
+    warm), and A's continuation, learned when A was stored, for warm; the
+    promoter copies them from cold, demoting chain B to make room. Nothing
+    leaves L2."""
     adapter = adapter_factory(
         **{
             "warm.capacity_gb": slots(4),
             "cold.paths": [str(cold_dir)],
             "warmup.policy": "lookahead",
+            "warmup.lookahead.promote_found": True,
         }
     )
     recorder = Recorder()

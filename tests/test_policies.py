@@ -81,8 +81,13 @@ def test_none_plans_nothing(view: FakeView) -> None:
     assert policy.admit(keys[0])
 
 
-def test_lookahead_promotes_found_prefix_and_continuation(view: FakeView) -> None:
-    policy = load_policy("lookahead", view, {"window_s": 2.0})
+@pytest.mark.parametrize("promote_found", [False, True])
+def test_lookahead_promotes_continuation_and_found_prefix_on_request(
+    view: FakeView, promote_found: bool
+) -> None:
+    policy = load_policy(
+        "lookahead", view, {"window_s": 2.0, "promote_found": str(promote_found)}
+    )
     keys = make_keys(6)
     view.put(keys[:2], "cold")
     view.put(keys[2:3], "warm")
@@ -90,15 +95,19 @@ def test_lookahead_promotes_found_prefix_and_continuation(view: FakeView) -> Non
     following = make_keys(3, start=100)
     view.put(following, "cold")
     view.children[keys[3]] = following
+    # the found prefix goes to hot only when asked (its read follows at once
+    # under synchronous loading)
+    expected = {"hot": keys[:3]} if promote_found else {}
+    expected["warm"] = following
 
     plans = policy.on_lookup(keys, 4)
 
-    assert planned(plans) == {"hot": keys[:3], "warm": following}
+    assert planned(plans) == expected
     assert all(p.deadline == view.clock + 2.0 for p in plans)
     # vLLM looks a waiting request up again: nothing new inside the deadline
     assert policy.on_lookup(keys, 4) == []
     view.clock += 2.5  # the plans expired without the chunks moving
-    assert planned(policy.on_lookup(keys, 4)) == {"hot": keys[:3], "warm": following}
+    assert planned(policy.on_lookup(keys, 4)) == expected
 
 
 def test_lookahead_without_hits_plans_nothing(view: FakeView) -> None:
@@ -240,9 +249,13 @@ def test_no_plans_without_reuse(name: str, view: FakeView) -> None:
     assert _run_traffic(policy, view, seed=7) == []
 
 
-@pytest.mark.parametrize("name", ["lookahead", "hinted"])
-def test_concurrent_events_plan_each_key_once(name: str, view: FakeView) -> None:
-    policy = load_policy(name, view, {})
+@pytest.mark.parametrize(
+    ("name", "params"), [("lookahead", {"promote_found": True}), ("hinted", {})]
+)
+def test_concurrent_events_plan_each_key_once(
+    name: str, params: dict[str, object], view: FakeView
+) -> None:
+    policy = load_policy(name, view, params)
     keys = make_keys(64)
     view.put(keys, "cold")
     results: list[list[Plan]] = [[] for _ in range(4)]
