@@ -117,7 +117,10 @@ def test_prefix_eviction_drops_tails_before_heads(
 def test_lookahead_promotes_the_found_prefix_to_hot(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    extra = plugin_extra_config(device_dirs, **{"warmup.policy": "lookahead"})
+    extra = plugin_extra_config(
+        device_dirs,
+        **{"warmup.policy": "lookahead", "warmup.lookahead.promote_found": True},
+    )
     engine, connector = engine_factory(extra, chunk_size=CHUNK)
     cache = cache_of(engine)
     tokens, kv = store(engine, connector, 4, seed=5)
