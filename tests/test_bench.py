@@ -387,6 +387,8 @@ def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(
         "none#2",
         "none#3",
     ]
+    given = ["none", "none#2", "none"]
+    assert replay.number_twins(given) == ["none", "none#2", "none#3"]
     out = tmp_path / "aa.json"
     args = bench_args(
         tmp_path,

@@ -312,12 +312,13 @@ def policy_of(variant: str) -> str:
 
 def number_twins(variants: Sequence[str]) -> list[str]:
     """Each variant once: a name given again becomes NAME#2, NAME#3, ..."""
-    seen: Counter[str] = Counter()
-    numbered = []
+    numbered: list[str] = []
     for name in variants:
-        seen[name] += 1
-        count = seen[name]
-        numbered.append(name if count == 1 else f"{name}{TWIN_MARK}{count}")
+        label, count = name, 1
+        while label in numbered:
+            count += 1
+            label = f"{name}{TWIN_MARK}{count}"
+        numbered.append(label)
     return numbered
 
 
