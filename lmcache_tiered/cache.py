@@ -38,8 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict
 from typing import Any
 
@@ -407,7 +406,7 @@ class TieredCache:
             finally:
                 # never return while a pool read still writes into the
                 # caller's buffers
-                futures.wait(reads)
+                wait(reads)
             for read in reads:
                 read.result()
             # keys that moved meanwhile or failed a tier's checks: the other

@@ -73,14 +73,8 @@ class SharedCold:
             try:
                 stat = os.stat(os.path.join(own.paths[0], name))
                 stamp = (stat.st_size, stat.st_mtime_ns)
-                read = self._read_at.get(name)
-                if (
-                    tier is not None
-                    and read is not None
-                    and read[:2] == stamp
-                    and read[2] - stat.st_mtime_ns / 1e9 > MTIME_SLACK_S
-                ):
-                    continue  # unchanged since we read it
+                if self._unchanged(name, stamp):
+                    continue
                 read_at = time.time()
                 if tier is None:
                     tier = Tier(
@@ -98,6 +92,17 @@ class SharedCold:
                 self._read_at[name] = (*stamp, read_at)
             except (OSError, ValueError) as exc:  # its files are half-made or gone
                 logger.debug("shared cold tier: skipping %s: %s", name, exc)
+
+    def _unchanged(self, name: str, stamp: tuple[int, int]) -> bool:
+        """Whether header file ``name`` (size, mtime_ns) is as we last read it
+        (only a file we opened has a record), with a write in the same
+        timestamp tick as that read ruled out."""
+        read = self._read_at.get(name)
+        return (
+            read is not None
+            and read[:2] == stamp
+            and read[2] - stamp[1] / 1e9 > MTIME_SLACK_S
+        )
 
     def _run(self) -> None:
         while not self._stop.wait(REFRESH_S):
