@@ -316,7 +316,7 @@ class TieredBackend(StoragePluginInterface):
         """Counters per tier and of the warm-up policy, as plain data."""
         if self.cache is None:
             warmup = asdict(WarmupStats()) | {"policy": self.settings.warmup_policy}
-            return {"tiers": {}, "warmup": warmup}
+            return {"tiers": {}, "warmup": warmup, "reads_from_hot": 0}
         return self.cache.snapshot()
 
     # ------------------------------------------------------------------ close

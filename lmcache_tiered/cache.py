@@ -186,6 +186,8 @@ class TieredCache:
         self._queued_bytes = 0
         self.puts_dropped = 0
         self.puts_not_admitted = 0
+        #: chunks demand reads took from LMCache's CPU tier instead of disk
+        self.reads_from_hot = 0
         self._closed = False
         self._queue: queue.SimpleQueue[_QueueItem] = queue.SimpleQueue()
         self._writer = threading.Thread(
@@ -370,10 +372,12 @@ class TieredCache:
         then tried in the other tiers in turn. Cold hits are queued for a copy
         to warm.
 
-        Without ``into`` each object comes from ``allocate`` and the caller
-        owns one reference to it. ``into`` are the caller's buffers instead,
-        one per key (None: skip the key); a record of another size is a miss,
-        and the result is the buffer itself, its reference count unchanged.
+        Without ``into`` a key LMCache's CPU tier holds is served from there
+        (see :meth:`_read_hot`), each other object comes from ``allocate``,
+        and the caller owns one reference to each. ``into`` are the caller's
+        buffers instead, one per key (None: skip the key); a record of another
+        size is a miss, and the result is the buffer itself, its reference
+        count unchanged.
         """
         if into is None and self._allocate is None:
             raise ValueError("TieredCache.read: no buffers given and no allocator")
@@ -382,8 +386,10 @@ class TieredCache:
         #: record that failed its checks (dropped) or a device error
         tried: set[int] = set()
         wanted = [i for i in range(len(keys)) if into is None or into[i] is not None]
+        if into is None:
+            wanted = self._read_hot(keys, wanted, objs)
         order = self._read_order()
-        with self.promoter.demand(keys):
+        with self.promoter.demand([keys[i] for i in wanted]):
             # each tier reads its share at once: a remote cold read overlaps
             # the local warm one instead of following it
             shares: dict[int, list[int]] = {}
@@ -418,6 +424,36 @@ class TieredCache:
                     self._read_tier(tier_entry, keys, missing, into, objs, tried)
         self._changed([keys[i] for i in tried if objs[i] is None])
         return objs
+
+    def _read_hot(
+        self,
+        keys: Sequence[StoreKey],
+        wanted: list[int],
+        objs: list[MemoryObj | None],
+    ) -> list[int]:
+        """Hand out LMCache's own CPU-tier copy of each wanted key it holds;
+        the indices left to read from disk.
+
+        LMCache's lookup gives a backend the rest of a prefix from the first
+        chunk its CPU tier lacks, so a later chunk in memory (one the promoter
+        brought there, or one a store left) would otherwise be read from disk.
+        The caller owns one reference to each object, as with a read.
+        """
+        if self.hot is None:
+            return wanted
+        served: list[StoreKey] = []
+        left = []
+        for i in wanted:
+            obj = self.hot.get_blocking(keys[i])  # takes the caller's reference
+            if obj is None:
+                left.append(i)
+            else:
+                objs[i] = obj
+                served.append(keys[i])
+        if served:
+            self.reads_from_hot += len(served)
+            self.promoter.used(served)
+        return left
 
     def _read_tier(
         self,
@@ -666,6 +702,7 @@ class TieredCache:
             "warmup": warmup,
             "puts_dropped": self.puts_dropped,
             "puts_not_admitted": self.puts_not_admitted,
+            "reads_from_hot": self.reads_from_hot,
         }
 
     # ------------------------------------------------------------------ close

@@ -158,6 +158,14 @@ class TieredCollector(Collector):
         yield used
         yield degraded
         yield latency
+        from_hot = CounterMetricFamily(
+            "lmcache_tiered_reads_from_hot",
+            "chunks demand reads took from LMCache's CPU tier, not disk",
+            labels=["instance"],
+        )
+        for label, snap in snaps:
+            from_hot.add_metric([label], snap["reads_from_hot"])
+        yield from_hot
         for name in _WARMUP_COUNTERS:
             family = CounterMetricFamily(
                 f"lmcache_tiered_warmup_{name}",

@@ -140,6 +140,43 @@ def test_lookahead_promotes_the_found_prefix_to_hot(
     assert cache.promoter.stats.precision == 1.0
 
 
+def test_chunks_in_hot_past_the_lookups_hot_prefix_are_not_read_from_disk(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    # LMCache's lookup hands the plugin the rest of a prefix from the first
+    # chunk its CPU tier lacks: chunks 1-3 below are still in memory
+    extra = plugin_extra_config(device_dirs)
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    cache = cache_of(engine)
+    tokens, kv = store(engine, connector, 4, seed=21)
+    keys = harness.chunk_keys(engine, tokens)
+    hot = harness.get_local_cpu_backend(engine)
+    assert hot is not None and hot.remove(keys[0])
+    reads = cache.warm.stats.hits
+    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
+    assert cache.warm.stats.hits == reads + 1  # chunk 0 only
+    assert cache.snapshot()["reads_from_hot"] == 3
+
+
+def test_a_promotion_past_the_lookups_hot_prefix_counts_as_used(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    extra = plugin_extra_config(device_dirs, **{"warmup.policy": "hinted"})
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    cache = cache_of(engine)
+    tokens, kv = store(engine, connector, 3, seed=23)
+    harness.clear_cpu_tier(engine)
+    keys = harness.chunk_keys(engine, tokens)
+    # promote chunks 1 and 2 only: the lookup's hot prefix is empty
+    cache.promoter.submit([Plan(tuple(keys[1:]), "hot", cache.now() + 60)])
+    wait_until(lambda: all(cache.where(k) == "hot" for k in keys[1:]))
+    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 3 * CHUNK and torch.equal(out, kv)
+    stats = cache.promoter.stats
+    assert stats.timely == 2 and stats.precision == 1.0
+
+
 def test_lookahead_plans_nothing_for_unseen_random_lookups(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
@@ -305,6 +342,7 @@ def test_metrics_snapshot_and_prometheus(
     assert "lmcache_tiered_tier_read_seconds_bucket" in text
     assert 'lmcache_tiered_warmup_plans_total{instance="w0",policy="none"}' in text
     assert 'lmcache_tiered_tier_degraded{instance="w0",tier="warm"} 0.0' in text
+    assert 'lmcache_tiered_reads_from_hot_total{instance="w0"} 0.0' in text
     # a degraded tier (see test_faults) shows as 1 while it is
     snap["tiers"]["warm"]["degraded"] = "Input/output error"
     label = collector().add_source("degraded", lambda: snap)

@@ -652,8 +652,11 @@ class Replay:
         return tiers
 
     def _plugin_tier(self, key: Any) -> str:
+        """Where the plugin will serve ``key`` from: LMCache's CPU tier when
+        it holds the chunk (past the prefix LMCache's lookup found there),
+        else the plugin's highest tier holding it."""
         cache = None if self.backend is None else self.backend.cache
-        return (cache and cache.tier_of(key)) or "warm"
+        return (cache and cache.where(key)) or "warm"
 
     def _retrieve(self, live: _Live) -> None:
         """Load the hit prefix (the worker's blocking load), then unpin."""

@@ -208,6 +208,13 @@ class Promoter:
                 self._demand -= 1
                 self._cond.notify_all()
 
+    def used(self, keys: Sequence[StoreKey]) -> None:
+        """Keys a demand read took from the hot tier without a lookup pinning
+        them (they lay past the first chunk LMCache's lookup missed there):
+        a promotion among them was used."""
+        for key in keys:
+            self._used(key_digest(key))
+
     def close(self) -> None:
         """Stop the thread and release the promoter's pins."""
         with self._cond:
