@@ -108,7 +108,7 @@ def test_reference_profile_kv_bytes_and_scale() -> None:
     # 2 (K, V) x 62 layers x 1 KV head per rank (8 / TP8) x 128 x 2 bytes
     assert qwen.kv_bytes_per_token == 31_744
     shape = bench_shape(qwen)
-    assert (shape.head_size, shape.kv_scale, shape.bytes_per_token) == (992, 8, 3968)
+    assert (shape.head_size, shape.kv_scale, shape.bytes_per_token) == (1984, 4, 7936)
     assert shape.chunk_bytes(CHUNK) % 4096 == 0
     assert 30e9 < qwen.active_params < 40e9  # "A35B"
     assert qwen.prefill_s(2000, 0) > qwen.prefill_s(1000, 0) > 0
