@@ -67,7 +67,7 @@ class WarmupStats:
     bytes_promoted_warm: int = 0
     #: promoted-to-hot bytes that a lookup then used (before eviction)
     bytes_used: int = 0
-    #: demand lookups that found a promoted chunk already in the hot tier
+    #: promoted chunks a demand lookup or read then found in the hot tier
     timely: int = 0
     #: demand reads of a chunk whose promotion was still queued or running
     late: int = 0

@@ -162,8 +162,9 @@ def test_chunks_in_hot_past_the_lookups_hot_prefix_are_not_read_from_disk(
 def test_a_promotion_past_the_lookups_hot_prefix_counts_as_used(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    extra = plugin_extra_config(device_dirs, **{"warmup.policy": "hinted"})
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    engine, connector = engine_factory(
+        plugin_extra_config(device_dirs), chunk_size=CHUNK
+    )
     cache = cache_of(engine)
     tokens, kv = store(engine, connector, 3, seed=23)
     harness.clear_cpu_tier(engine)
