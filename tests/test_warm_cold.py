@@ -37,11 +37,21 @@ def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, A
     return tokens, kv
 
 
+def tiered_engine(
+    engine_factory: EngineFactory, device_dirs: list[Path], **settings: Any
+) -> tuple[Any, Any, Any]:
+    """An engine with the plugin (``tiered.<settings>``), its connector and cache."""
+    extra = plugin_extra_config(device_dirs, **settings)
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    return engine, connector, cache_of(engine)
+
+
 def two_chunks_warm_over_cold(
     engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
 ) -> tuple[Any, Any, Any]:
     """An engine, its connector and cache: a warm tier of two chunks over cold."""
-    extra = plugin_extra_config(
+    return tiered_engine(
+        engine_factory,
         device_dirs,
         **{
             "warm.capacity_gb": TWO_CHUNKS_GB,
@@ -49,8 +59,6 @@ def two_chunks_warm_over_cold(
             "cold.capacity_gb": 0.1,
         },
     )
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
-    return engine, connector, cache_of(engine)
 
 
 def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
@@ -117,12 +125,11 @@ def test_prefix_eviction_drops_tails_before_heads(
 def test_lookahead_promotes_the_found_prefix_to_hot(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    extra = plugin_extra_config(
+    engine, connector, cache = tiered_engine(
+        engine_factory,
         device_dirs,
         **{"warmup.policy": "lookahead", "warmup.lookahead.promote_found": True},
     )
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
-    cache = cache_of(engine)
     tokens, kv = store(engine, connector, 4, seed=5)
     harness.clear_cpu_tier(engine)
     keys = harness.chunk_keys(engine, tokens)
@@ -145,9 +152,7 @@ def test_chunks_in_hot_past_the_lookups_hot_prefix_are_not_read_from_disk(
 ) -> None:
     # LMCache's lookup hands the plugin the rest of a prefix from the first
     # chunk its CPU tier lacks: chunks 1-3 below are still in memory
-    extra = plugin_extra_config(device_dirs)
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
-    cache = cache_of(engine)
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     tokens, kv = store(engine, connector, 4, seed=21)
     keys = harness.chunk_keys(engine, tokens)
     hot = harness.get_local_cpu_backend(engine)
@@ -162,10 +167,7 @@ def test_chunks_in_hot_past_the_lookups_hot_prefix_are_not_read_from_disk(
 def test_a_promotion_past_the_lookups_hot_prefix_counts_as_used(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    engine, connector = engine_factory(
-        plugin_extra_config(device_dirs), chunk_size=CHUNK
-    )
-    cache = cache_of(engine)
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     tokens, kv = store(engine, connector, 3, seed=23)
     harness.clear_cpu_tier(engine)
     keys = harness.chunk_keys(engine, tokens)
@@ -246,10 +248,7 @@ def test_promotions_stay_pinned_in_hot_until_used(
 def test_hot_budget_goes_to_the_earliest_deadline_and_the_rest_waits(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    engine, connector = engine_factory(
-        plugin_extra_config(device_dirs), chunk_size=CHUNK
-    )
-    cache = cache_of(engine)
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     soon, _ = store(engine, connector, 2, seed=40)
     later, _ = store(engine, connector, 2, seed=41)
     soon_keys = harness.chunk_keys(engine, soon)

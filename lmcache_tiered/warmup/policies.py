@@ -103,9 +103,9 @@ class LookaheadPolicy(_Planner):
     the small hot budget. Promoting the found prefix helps only where the
     read comes a scheduling step or more after the lookup (LMCache's async
     loading); with synchronous loading, vLLM's default, the read follows at
-    once and a promotion already running competes with it (the bench: +9 %
-    TTFT p50 with it, -2 % without, at concurrency 8; +34 % and -1 % on
-    random access), so it is off by default.
+    once and a promotion already running competes with it (the bench at
+    ``--kv-scale 8``: +9 % TTFT p50 with it, -2 % without, at concurrency 8;
+    +34 % and -1 % on random access), so it is off by default.
     """
 
     name = "lookahead"
