@@ -38,11 +38,17 @@ def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, A
 
 
 def tiered_engine(
-    engine_factory: EngineFactory, device_dirs: list[Path], **settings: Any
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    *,
+    cpu_gb: float | None = None,
+    **settings: Any,
 ) -> tuple[Any, Any, Any]:
-    """An engine with the plugin (``tiered.<settings>``), its connector and cache."""
+    """An engine with the plugin (``tiered.<settings>``) over ``device_dirs``
+    and, if given, a CPU tier of ``cpu_gb``; its connector and cache."""
+    config = {} if cpu_gb is None else {"max_local_cpu_size_gb": cpu_gb}
     extra = plugin_extra_config(device_dirs, **settings)
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    engine, connector = engine_factory(extra, chunk_size=CHUNK, **config)
     return engine, connector, cache_of(engine)
 
 
@@ -95,11 +101,11 @@ def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
 def test_write_through_puts_every_chunk_in_both(
     engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
 ) -> None:
-    extra = plugin_extra_config(
-        device_dirs, **{"cold.paths": str(cold_dir), "cold.write": "through"}
+    engine, connector, cache = tiered_engine(
+        engine_factory,
+        device_dirs,
+        **{"cold.paths": str(cold_dir), "cold.write": "through"},
     )
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
-    cache = cache_of(engine)
     tokens, _ = store(engine, connector, 3, seed=2)
     for key in harness.chunk_keys(engine, tokens):
         assert cache.tiers["warm"].header(key) is not None
@@ -111,11 +117,9 @@ def test_prefix_eviction_drops_tails_before_heads(
 ) -> None:
     """A new chain evicts the old chain's tail first, never its head."""
     three = 3 * (CHUNK_BYTES + 4096) / 2**30
-    engine, connector = engine_factory(
-        plugin_extra_config(device_dirs, **{"warm.capacity_gb": three}),
-        chunk_size=CHUNK,
+    engine, connector, cache = tiered_engine(
+        engine_factory, device_dirs, **{"warm.capacity_gb": three}
     )
-    cache = cache_of(engine)
     old, _ = store(engine, connector, 3, seed=3)
     store(engine, connector, 1, seed=4)
     present = [cache.tier_of(k) for k in harness.chunk_keys(engine, old)]
@@ -183,13 +187,14 @@ def test_a_promotion_past_the_lookups_hot_prefix_counts_as_used(
 def test_lookahead_plans_nothing_for_unseen_random_lookups(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    extra = plugin_extra_config(device_dirs, **{"warmup.policy": "lookahead"})
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    engine, connector, cache = tiered_engine(
+        engine_factory, device_dirs, **{"warmup.policy": "lookahead"}
+    )
     store(engine, connector, 2, seed=6)
     for seed in range(10, 20):
         assert harness.lookup(engine, harness.make_tokens(2 * CHUNK, seed=seed)) == 0
     time.sleep(0.2)
-    stats = cache_of(engine).promoter.stats
+    stats = cache.promoter.stats
     assert stats.plans == 0 and stats.bytes_promoted_hot == 0
 
 
@@ -198,13 +203,13 @@ def test_hint_over_loopback_promotes_before_lookup(
 ) -> None:
     from lmcache_tiered.warmup.hints import send_hint
 
-    extra = plugin_extra_config(
-        device_dirs, **{"warmup.policy": "hinted", "warmup.hint_port": 0}
+    engine, connector, cache = tiered_engine(
+        engine_factory,
+        device_dirs,
+        **{"warmup.policy": "hinted", "warmup.hint_port": 0},
     )
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
     backend = harness.get_backends(engine)["tiered"]
     assert isinstance(backend, TieredBackend) and backend.hint_server is not None
-    cache = cache_of(engine)
     tokens, _ = store(engine, connector, 3, seed=7)
     harness.clear_cpu_tier(engine)
     assert send_hint(backend.hint_server.url, tokens.tolist(), deadline_s=5.0)
@@ -217,12 +222,9 @@ def test_promotions_stay_pinned_in_hot_until_used(
 ) -> None:
     """LMCache's CPU tier is an LRU that stores churn: an unpinned promotion
     would be gone before its request is scheduled."""
-    engine, connector = engine_factory(
-        plugin_extra_config(device_dirs),
-        chunk_size=CHUNK,
-        max_local_cpu_size_gb=8 * CHUNK_BYTES / 2**30,
+    engine, connector, cache = tiered_engine(
+        engine_factory, device_dirs, cpu_gb=8 * CHUNK_BYTES / 2**30
     )
-    cache = cache_of(engine)
     tokens, kv = store(engine, connector, 2, seed=30)
     keys = harness.chunk_keys(engine, tokens)
     harness.clear_cpu_tier(engine)
@@ -274,12 +276,11 @@ def test_demand_reads_go_before_a_flood_of_warmup(
 ) -> None:
     """Ordering, not wall time: while a demand read runs no warm-up unit starts,
     and the flood's queued keys that the demand read serves are dropped."""
-    extra = plugin_extra_config(
+    engine, connector, cache = tiered_engine(
+        engine_factory,
         device_dirs,
         **{"cold.paths": str(cold_dir), "warmup.bandwidth_mbps": 5},
     )
-    engine, connector = engine_factory(extra, chunk_size=CHUNK)
-    cache = cache_of(engine)
     tokens, kv = store(engine, connector, 12, seed=8)
     keys = harness.chunk_keys(engine, tokens)
     log: list[tuple[str, str]] = []
@@ -329,11 +330,11 @@ def test_unknown_policy_is_a_clear_error(
 def test_metrics_snapshot_and_prometheus(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    engine, connector = engine_factory(plugin_extra_config(device_dirs))
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     tokens, _ = store(engine, connector, 2, seed=9)
     harness.clear_cpu_tier(engine)
     harness.retrieve_tokens(engine, tokens, connector=connector)
-    snap = cache_of(engine).snapshot()
+    snap = cache.snapshot()
     assert snap["tiers"]["warm"]["hits"] == 2
     assert snap["tiers"]["warm"]["bytes_written"] == 2 * CHUNK_BYTES
     assert snap["warmup"]["policy"] == "none"
@@ -367,14 +368,10 @@ def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
     for host in ("host-a", "host-b"):
         warm = tmp_path / f"warm-{host}"
         warm.mkdir()
-        extra = plugin_extra_config(
-            [warm],
-            **{"cold.paths": str(cold_dir), "cold.write": "through", "host_id": host},
-        )
-        engines.append(engine_factory(extra, chunk_size=CHUNK))
-    (engine_a, connector_a), (engine_b, connector_b) = engines
+        settings = {"cold.paths": str(cold_dir), "cold.write": "through"}
+        engines.append(tiered_engine(engine_factory, [warm], host_id=host, **settings))
+    (engine_a, connector_a, _), (engine_b, connector_b, cache_b) = engines
     tokens, kv = store(engine_a, connector_a, 3, seed=31)
-    cache_b = cache_of(engine_b)
     assert harness.lookup(engine_b, tokens) == 0  # not seen yet
     cache_b.shared.refresh()  # what its background thread does every 2 s
     assert harness.lookup(engine_b, tokens) == 3 * CHUNK
@@ -406,14 +403,11 @@ def test_shared_cold_rereads_only_header_files_that_changed(
     for host in ("host-a", "host-b"):
         warm = tmp_path / f"warm-{host}"
         warm.mkdir()
-        extra = plugin_extra_config(
-            [warm], **{"cold.paths": str(cold_dir), "cold.write": "through"}
-        )
-        extra["tiered.host_id"] = host
-        engines.append(engine_factory(extra, chunk_size=CHUNK))
-    (engine_a, connector_a), (engine_b, _) = engines
+        settings = {"cold.paths": str(cold_dir), "cold.write": "through"}
+        engines.append(tiered_engine(engine_factory, [warm], host_id=host, **settings))
+    (engine_a, connector_a, _), (engine_b, _, cache_b) = engines
     first, _ = store(engine_a, connector_a, 1, seed=61)
-    shared = cache_of(engine_b).shared
+    shared = cache_b.shared
     shared.refresh()
     (foreign,) = shared.tiers()
     rereads: list[int] = []
@@ -462,11 +456,9 @@ def test_a_read_spanning_warm_and_cold_reads_both_at_once(
 def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
     engine_factory: EngineFactory, device_dirs: list[Path], min_precision: float
 ) -> None:
-    engine, connector = engine_factory(
-        plugin_extra_config(device_dirs, **{"warmup.min_precision": min_precision}),
-        chunk_size=CHUNK,
+    engine, connector, cache = tiered_engine(
+        engine_factory, device_dirs, **{"warmup.min_precision": min_precision}
     )
-    cache = cache_of(engine)
     stats = cache.promoter.stats
     # one unit of work (UNIT_KEYS chunks) per request
     judged = GUARD_MIN // UNIT_KEYS
