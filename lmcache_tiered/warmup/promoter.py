@@ -19,7 +19,8 @@ promotions to hot, and while fewer than ``min_precision`` of them were used
 before LMCache dropped them it runs only one unit of work in
 GUARD_PROBE_EVERY, copies to warm included (they come from the same
 predictions; the probes keep measuring, so a policy that starts to pay is
-let go again).
+let go again). Only promotions to hot are counted: a policy that only
+copies to warm, and any policy without a hot tier, is never held back.
 
 Without a hot tier (LMCache's multi-process server, where the L2 adapter
 has no CPU tier of its own below LMCache's L1) a plan for hot is a plan for
