@@ -443,8 +443,9 @@ class TieredCache:
             return wanted
         served: list[StoreKey] = []
         left = []
-        for i in wanted:
-            obj = self.hot.get_blocking(keys[i])  # takes the caller's reference
+        # each found object comes with the caller's reference taken
+        found = self.hot.batched_get_blocking([keys[i] for i in wanted])
+        for i, obj in zip(wanted, found, strict=True):
             if obj is None:
                 left.append(i)
             else:
