@@ -336,9 +336,8 @@ class TieredCache:
         per request. The memory must stay mapped while the tiers are open."""
         region = memoryview((ctypes.c_ubyte * nbytes).from_address(address))
         for tier in self.tiers.values():
-            register = getattr(tier.engine, "register_buffers", None)
-            if register is not None:
-                register([region])
+            if tier.engine.supports_fixed_buffers:
+                tier.engine.register_buffers([region])
 
     def stored_keys(self) -> list[StoreKey]:
         keys = {k: None for t in self.tiers.values() for k in t.stored_keys()}

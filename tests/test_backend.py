@@ -236,4 +236,4 @@ def test_pinned_cpu_pool_serves_reads_as_fixed_buffers(
     fixed = ring.stats()["fixed"]
     out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 3 * 256 and torch.equal(out, kv)
-    assert ring.stats()["fixed"] > fixed  # the reads went out as readv_fixed
+    assert ring.stats()["fixed"] > fixed  # the reads went out as READ_FIXED

@@ -739,23 +739,25 @@ def test_io_uring_unavailable_falls_back_and_serves_the_same_data(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Chunks written through io_uring are served by the thread pool when
-    io_uring is refused (seccomp, as reported by ``uring_available``), with
+    io_uring is refused (seccomp, as reported by the probe), with
     a log line that says why; ``io_engine: uring`` then fails loudly."""
-    from lmcache_tiered.io import uring
+    import lmcache_tiered.io as io_pkg
+    from lmcache_tiered.io import probe
 
     chunks = Chunks()
     tier = open_tier(device_dirs, 16, io_engine="uring")
     chunks.store(tier, range(6))
     tier.close()
     monkeypatch.setattr(
-        uring, "uring_available", lambda: (False, "io_uring_setup failed (EPERM)")
+        probe, "uring_verdict", lambda: (False, "io_uring_setup failed (EPERM)")
     )
+    monkeypatch.setattr(io_pkg, "_fallback_reported", False)
     verdict = Verdict()
     with caplog.at_level(logging.INFO, logger="lmcache_tiered"):
         tier = open_tier(device_dirs, 16, io_engine="auto")
     try:
         assert tier.engine.name == "threads"
-        assert "io_uring unavailable: io_uring_setup failed (EPERM)" in caplog.text
+        assert "io_uring unusable: io_uring_setup failed (EPERM)" in caplog.text
         assert read_all(tier, list(range(6)), chunks, verdict) == set(range(6))
     finally:
         tier.close()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,9 +29,11 @@ from lmcache_tiered.io import (
     ThreadEngine,
     aligned_buffer,
     make_engine,
+    probe,
     uring,
 )
-from lmcache_tiered.io.uring import UringEngine, uring_available
+from lmcache_tiered.io import ring as ring_abi
+from lmcache_tiered.io.uring import UringEngine
 
 EngineFactory = Callable[[list[int], int], IOEngine]
 
@@ -216,7 +221,7 @@ def test_errors_are_results_not_exceptions(
 def test_request_memory_is_not_held_after_completion(
     build: EngineFactory, files: list[int]
 ) -> None:
-    """The binding's Iovec never releases its buffers; the engine must not leak."""
+    """Once a request completes, the engine holds no export of its memory."""
     engine = build(files, 4)
     memory = mmap.mmap(-1, ALIGN)
     view = memoryview(memory)
@@ -306,7 +311,7 @@ def test_uring_registered_buffers(
     reads.append(IORequest(1, 0, outside))
     assert ring.read(reads) == [len(r.buffer) for r in reads]
     # [12, 20) straddles two pieces and ``outside`` is not registered: both go
-    # out as plain readv, the other four as readv_fixed.
+    # out as plain READ, the other four as READ_FIXED.
     assert ring.stats()["fixed"] == 8 + 4
     assert bytes(region) == data and bytes(outside) == data[:ALIGN]
     assert ring.register_buffers([])  # unregisters
@@ -316,20 +321,97 @@ def test_uring_registered_buffers(
         ring.register_buffers([region])
 
 
-def test_uring_available_here() -> None:
-    ok, reason = uring_available()
+def _kernel_has_io_uring() -> bool:
+    """A raw ``io_uring_setup`` through ctypes, independent of our ring code."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)  # struct io_uring_params
+    fd = libc.syscall(ctypes.c_long(425), ctypes.c_long(2), params)
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+def test_auto_takes_io_uring_wherever_the_kernel_has_it(files: list[int]) -> None:
+    """Fails on a machine where io_uring works but ``auto`` would not use it
+    (a binding that cannot run on this CPU, a broken probe)."""
+    if not _kernel_has_io_uring():
+        pytest.fail("io_uring_setup failed here: this suite expects io_uring")
+    probe.forget_verdict()
+    ok, reason = probe.uring_verdict()
     assert ok, reason
+    with make_engine("auto", files, 4) as engine:
+        assert isinstance(engine, UringEngine)
 
 
-def test_uring_available_reports_a_blocked_kernel(
+def test_the_ring_needs_no_native_binding() -> None:
+    """The probe child runs the ring module with nothing but the stdlib."""
+    assert probe.PROBE_COMMAND[1:3] == ("-I", "-S")
+    child = subprocess.run(
+        [*probe.PROBE_COMMAND], capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 0, child.stdout + child.stderr
+    assert child.stdout.startswith("io_uring works")
+
+
+def test_probe_survives_a_child_killed_by_sigill(
+    files: list[int],
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    def refuse(*args: object) -> None:
-        raise PermissionError(errno.EPERM, "Operation not permitted")
+    """A native crash in the probe child means the thread engine and one
+    ERROR line naming the cause and the setting, never a dead server."""
+    suicide = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    monkeypatch.setattr(probe, "PROBE_COMMAND", (sys.executable, "-c", suicide))
+    monkeypatch.setattr(io_pkg, "_fallback_reported", False)
+    probe.forget_verdict()
+    try:
+        ok, reason = probe.uring_verdict()
+        assert not ok
+        assert "SIGILL" in reason and "AVX-512" in reason
+        caplog.set_level(logging.INFO, logger="lmcache_tiered")
+        with make_engine("auto", files, 4) as engine:
+            assert isinstance(engine, ThreadEngine)
+        with make_engine("auto", files, 4) as engine:
+            assert isinstance(engine, ThreadEngine)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1
+        assert "SIGILL" in errors[0].getMessage()
+        assert "tiered.io_engine: threads" in errors[0].getMessage()
+        with pytest.raises(RuntimeError, match="tiered.io_engine is uring.*SIGILL"):
+            make_engine("uring", files, 4)
+    finally:
+        probe.forget_verdict()
 
-    monkeypatch.setattr(uring.liburing, "io_uring_queue_init", refuse)
-    ok, reason = uring_available()
-    assert not ok
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ("import sys; print('io_uring: EPERM nope'); sys.exit(1)", "EPERM nope"),
+        ("import time; time.sleep(5)", "hung"),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGSYS)", "seccomp"),
+    ],
+)
+def test_probe_reports_failed_children(
+    script: str, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(probe, "PROBE_TIMEOUT_S", 1.0)
+    ok, reason = probe.run_probe([sys.executable, "-c", script])
+    assert not ok and expected in reason
+
+
+def test_self_test_names_a_blocked_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_call = ring_abi._call
+
+    def refuse_setup(number: int, *args: int | None) -> int:
+        if number == ring_abi._SYS_SETUP:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        return real_call(number, *args)
+
+    monkeypatch.setattr(ring_abi, "_call", refuse_setup)
+    with pytest.raises(OSError) as failure:
+        ring_abi.self_test()
+    reason = ring_abi.describe(failure.value)
     assert "EPERM" in reason and "seccomp" in reason
 
 
@@ -353,7 +435,8 @@ def test_make_engine_falls_back_when_uring_is_blocked(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(io_pkg, "_uring_status", lambda: (False, "EPERM (seccomp)"))
+    monkeypatch.setattr(probe, "uring_verdict", lambda: (False, "EPERM (seccomp)"))
+    monkeypatch.setattr(io_pkg, "_fallback_reported", False)
     caplog.set_level(logging.INFO, logger="lmcache_tiered")
     with make_engine("auto", files, 4) as engine:
         assert isinstance(engine, ThreadEngine)

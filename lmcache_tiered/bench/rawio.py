@@ -21,7 +21,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 from lmcache_tiered.io import ALIGN, IOEngine, IORequest, aligned_buffer, make_engine
-from lmcache_tiered.io.uring import UringEngine
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -90,7 +89,7 @@ def raw_read_gbps(
     try:
         with make_engine(engine, fds, queue_depth) as io:
             pool = aligned_buffer(queue_depth * chunk_bytes)
-            if fixed_buffers and isinstance(io, UringEngine):
+            if fixed_buffers:
                 io.register_buffers([pool])
             buffers = [
                 pool[slot * chunk_bytes : (slot + 1) * chunk_bytes]

@@ -10,6 +10,7 @@ import logging
 import mmap
 from collections.abc import Sequence
 
+from lmcache_tiered.io import probe
 from lmcache_tiered.io.base import ALIGN, IOEngine, IORequest
 from lmcache_tiered.io.threads import ThreadEngine
 
@@ -27,24 +28,32 @@ logger = logging.getLogger("lmcache_tiered")
 ENGINE_KINDS = ("auto", "uring", "threads")
 
 
-def _uring_status() -> tuple[bool, str]:
-    try:
-        from lmcache_tiered.io.uring import uring_available
-    except ImportError as exc:  # liburing missing or built for another platform
-        return False, f"liburing binding not importable ({exc})"
-    return uring_available()
+_fallback_reported = False
+
+
+def _report_fallback(reason: str) -> None:
+    """One ERROR per process: the thread engine is slower and costs more CPU."""
+    global _fallback_reported
+    if not _fallback_reported:
+        _fallback_reported = True
+        logger.error(
+            "io_uring unusable here, using the thread-pool engine: %s; set "
+            "`tiered.io_engine: threads` to choose it explicitly",
+            reason,
+        )
 
 
 def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
     """Build the engine ``kind`` ("auto" | "uring" | "threads") over ``fds``.
 
-    "auto" takes io_uring when a real ring works here, else the thread pool;
-    "uring" insists and fails loudly where io_uring is blocked.
+    "auto" takes io_uring when the child-process probe
+    (:func:`lmcache_tiered.io.probe.uring_verdict`) proved a real ring works
+    here, else the thread pool; "uring" insists and fails loudly otherwise.
     """
     if kind not in ENGINE_KINDS:
         raise ValueError(f"io engine must be one of {ENGINE_KINDS}, got {kind!r}")
     if kind != "threads":
-        ok, reason = _uring_status()
+        ok, reason = probe.uring_verdict()
         if ok:
             from lmcache_tiered.io.uring import UringEngine
 
@@ -52,10 +61,11 @@ def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
             return UringEngine(fds, queue_depth)
         if kind == "uring":
             raise RuntimeError(
-                f"io_uring is unavailable here: {reason}; "
+                f"tiered.io_engine is uring, but io_uring is unusable here: {reason}; "
                 "set `tiered.io_engine: threads` to use the thread-pool engine"
             )
-        why = f"io_uring unavailable: {reason}"
+        _report_fallback(reason)
+        why = f"io_uring unusable: {reason}"
     else:
         why = "chosen by tiered.io_engine"
     engine = ThreadEngine(fds, queue_depth)

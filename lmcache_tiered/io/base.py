@@ -44,6 +44,8 @@ class IOEngine(abc.ABC):
 
     #: Short name shown in logs and benchmark reports.
     name: str = "abstract"
+    #: Whether :meth:`register_buffers` can make transfers cheaper.
+    supports_fixed_buffers: bool = False
 
     def __init__(self, fds: Sequence[int], queue_depth: int) -> None:
         if queue_depth < 1:
@@ -62,6 +64,14 @@ class IOEngine(abc.ABC):
     def write(self, requests: Sequence[IORequest]) -> list[int]:
         """Blocking write of a batch: ``submit(requests, write=True).result()``."""
         return self.submit(requests, write=True).result()
+
+    def register_buffers(self, regions: Sequence[memoryview]) -> bool:
+        """Declare memory that later requests will use; True if it helps.
+
+        Engines without :attr:`supports_fixed_buffers` accept nothing and
+        return False: every buffer works with every engine regardless.
+        """
+        return False
 
     @abc.abstractmethod
     def close(self) -> None:
