@@ -16,8 +16,10 @@ import torch
 from conftest import ENGINES, plugin_extra_config, store_request
 
 import lmcache_tiered.backend as backend_module
+import lmcache_tiered.io as io_pkg
 from lmcache_tiered.backend import TieredBackend, pinned_pool
 from lmcache_tiered.bench import harness
+from lmcache_tiered.io import probe
 from lmcache_tiered.tier import Tier
 
 EngineFactory = Callable[..., Any]
@@ -64,6 +66,34 @@ def test_store_clear_cpu_retrieve_identical(
     assert int(mask.sum()) == 1000
     assert torch.equal(out, kv)
     assert warm_tier(backend).stats.hits == 4
+
+
+def test_engine_survives_a_probe_child_killed_by_sigill(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Where io_uring code would die of SIGILL (a binding built for AVX-512
+    on a CPU without it), a live LMCache engine loads the plugin on the
+    thread engine, says why at ERROR, and serves exact data."""
+    suicide = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    monkeypatch.setattr(probe, "PROBE_COMMAND", (sys.executable, "-c", suicide))
+    monkeypatch.setattr(io_pkg, "_fallback_reported", False)
+    probe.forget_verdict()
+    caplog.set_level(logging.INFO, logger="lmcache_tiered")
+    try:
+        engine, connector = engine_factory(plugin_extra_config(device_dirs))
+        backend = tiered(engine)
+        assert warm_tier(backend).engine.name == "threads"
+        tokens, kv = store_request(engine, connector, 512, seed=4)
+        assert harness.clear_cpu_tier(engine) == 0
+        out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+        assert int(mask.sum()) == 512 and torch.equal(out, kv)
+    finally:
+        probe.forget_verdict()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("SIGILL" in e and "tiered.io_engine: threads" in e for e in errors)
 
 
 def test_bad_setting_is_logged_and_plugin_absent(
@@ -137,6 +167,7 @@ RESTART_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from lmcache_tiered.bench import harness
+from lmcache_tiered.io import probe
     paths, mode = sys.argv[1].split(","), sys.argv[2]
     extra = {
         "storage_plugin.tiered.module_path": "lmcache_tiered.backend",

@@ -514,3 +514,23 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
         assert result[key] > 0, key
     assert result["paired_ratios"]["tiered_vs_local_disk"] > 0
     assert list(tmp_path.iterdir()) == []  # every placement's files removed
+
+
+def test_auto_falls_back_when_the_ring_fails_in_this_process(
+    files: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe child passed, the serving process cannot set up a ring (a
+    sandbox the child escaped, RLIMIT_MEMLOCK): threads, not an exception."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(probe, "uring_verdict", lambda: (True, "io_uring works"))
+    monkeypatch.setattr(ring_abi.Ring, "__init__", refuse)
+    monkeypatch.setattr(io_pkg, "_fallback_reported", False)
+    caplog.set_level(logging.INFO, logger="lmcache_tiered")
+    with make_engine("auto", files, 4) as engine:
+        assert isinstance(engine, ThreadEngine)
+    assert "the probe passed, but here io_uring: ENOMEM" in caplog.text
+    with pytest.raises(RuntimeError, match="ENOMEM"):
+        make_engine("uring", files, 4)

@@ -10,7 +10,7 @@ import logging
 import mmap
 from collections.abc import Sequence
 
-from lmcache_tiered.io import probe
+from lmcache_tiered.io import probe, ring
 from lmcache_tiered.io.base import ALIGN, IOEngine, IORequest
 from lmcache_tiered.io.threads import ThreadEngine
 
@@ -52,13 +52,13 @@ def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
     """
     if kind not in ENGINE_KINDS:
         raise ValueError(f"io engine must be one of {ENGINE_KINDS}, got {kind!r}")
-    if kind != "threads":
-        ok, reason = probe.uring_verdict()
-        if ok:
-            from lmcache_tiered.io.uring import UringEngine
-
+    if kind == "threads":
+        why = "chosen by tiered.io_engine"
+    else:
+        engine, reason = _uring_engine(fds, queue_depth)
+        if engine is not None:
             logger.info("I/O engine: uring, queue depth %d (%s)", queue_depth, reason)
-            return UringEngine(fds, queue_depth)
+            return engine
         if kind == "uring":
             raise RuntimeError(
                 f"tiered.io_engine is uring, but io_uring is unusable here: {reason}; "
@@ -66,11 +66,23 @@ def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
             )
         _report_fallback(reason)
         why = f"io_uring unusable: {reason}"
-    else:
-        why = "chosen by tiered.io_engine"
-    engine = ThreadEngine(fds, queue_depth)
-    logger.info("I/O engine: threads, %d threads (%s)", engine.threads, why)
-    return engine
+    threads = ThreadEngine(fds, queue_depth)
+    logger.info("I/O engine: threads, %d threads (%s)", threads.threads, why)
+    return threads
+
+
+def _uring_engine(fds: Sequence[int], queue_depth: int) -> tuple[IOEngine | None, str]:
+    """An io_uring engine if the probe passed and the ring sets up in this
+    process too (RLIMIT_MEMLOCK, a sandbox the child escaped), else why not."""
+    ok, reason = probe.uring_verdict()
+    if not ok:
+        return None, reason
+    from lmcache_tiered.io.uring import UringEngine
+
+    try:
+        return UringEngine(fds, queue_depth), reason
+    except OSError as exc:
+        return None, f"the probe passed, but here {ring.describe(exc)}"
 
 
 def aligned_buffer(nbytes: int) -> memoryview:

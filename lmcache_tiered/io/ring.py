@@ -450,12 +450,17 @@ def describe(exc: BaseException) -> str:
         return str(exc)
     name = errno.errorcode.get(exc.errno, "?")
     hint = ""
-    if exc.errno in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+    if exc.errno in (errno.EPERM, errno.EACCES):
         hint = (
             ": blocked by a seccomp profile (Docker/Podman default) or by sysctl "
             "kernel.io_uring_disabled; allow io_uring_setup/io_uring_enter/"
             "io_uring_register in the container's seccomp profile or set "
             "kernel.io_uring_disabled=0"
+        )
+    elif exc.errno == errno.ENOSYS:
+        hint = (
+            ": this kernel has no io_uring (CONFIG_IO_URING off, Linux < 5.6, "
+            "gVisor, qemu-user) or a seccomp profile hides it"
         )
     return f"io_uring: {name} {exc.strerror}{hint}"
 
