@@ -25,7 +25,6 @@ import os
 import stat
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
@@ -52,12 +51,13 @@ from lmcache_tiered.layout import (
     RecordHeader,
     align_up,
     decode_header_blocks,
+    payload_checksum,
 )
 from lmcache_tiered.metrics import TierStats
 
 logger = logging.getLogger("lmcache_tiered")
 
-#: Checks records as they land (zlib's CRC32 releases the GIL): shared by all
+#: Checks records as they land (the checksums release the GIL): shared by all
 #: tiers of the process, sized to the cores, since it is CPU work.
 _VERIFIERS = ThreadPoolExecutor(
     max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="lmcache-tiered-crc"
@@ -641,7 +641,7 @@ class Tier:
         for bounce, start, length in transfer.bounces:
             view[start : start + length] = bounce[:length]
         check = self.verify_reads or self.read_only or not entry.verified
-        if check and zlib.crc32(view[: header.payload_size]) != header.payload_crc:
+        if check and not header.payload_matches(view[: header.payload_size]):
             return self._damaged(header, "failed its checksum")
         entry.verified = True
         return True
@@ -774,7 +774,7 @@ class Tier:
                 dtype=payload.dtype,
                 fmt=payload.fmt,
                 payload_size=size,
-                payload_crc=zlib.crc32(payload.view),
+                payload_crc=payload_checksum(payload.view),
                 sequence=last_sequence - i,
                 created_ns=time.time_ns(),
             )

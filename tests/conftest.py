@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 
 from lmcache_tiered.backend import TieredBackend
@@ -19,6 +20,11 @@ from lmcache_tiered.keys import key_digest
 from lmcache_tiered.tier import Tier
 
 ENGINES = ["uring", "threads"]
+
+# Property tests check correctness, not speed: on a loaded 2-core machine one
+# example can take longer than hypothesis' default 200 ms deadline.
+settings.register_profile("no-deadline", deadline=None)
+settings.load_profile("no-deadline")
 
 
 def plugin_extra_config(paths: list[Path], **settings: Any) -> dict[str, Any]:

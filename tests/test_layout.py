@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from lmcache_tiered.layout import (
     CorruptRecord,
     Geometry,
     RecordHeader,
+    payload_checksum,
 )
 
 KEY = CacheEngineKey("model/x", 4, 1, 0xABCDEF0123, torch.bfloat16, None)
@@ -39,6 +42,16 @@ def test_header_round_trip() -> None:
     block = header.encode()
     assert len(block) == HEADER_SIZE
     assert RecordHeader.decode(block, max_payload=1 << 20) == header
+
+
+def test_payload_checksum_per_record_version() -> None:
+    """Version 2 is CRC32C (the iSCSI/ext4 polynomial), version 1 zlib's CRC32."""
+    data = memoryview(b"123456789")
+    assert payload_checksum(data) == 0xE3069283  # the CRC32C check value
+    assert payload_checksum(data, 1) == zlib.crc32(data) == 0xCBF43926
+    old = make_header(version=1, payload_crc=0xCBF43926)
+    assert RecordHeader.decode(old.encode(), 1 << 20) == old
+    assert old.payload_matches(data) and not make_header().payload_matches(data)
 
 
 def test_tagged_key_round_trip() -> None:

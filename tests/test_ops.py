@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,13 @@ from lmcache_tiered.bench import harness
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.keys import key_text
-from lmcache_tiered.layout import Geometry, RecordHeader
+from lmcache_tiered.layout import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    Geometry,
+    RecordHeader,
+    decode_header_blocks,
+)
 from lmcache_tiered.tier import Tier
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
@@ -191,6 +199,80 @@ def test_fsck_finds_repairs_and_then_is_clean(
     assert len(tier) == 7 and tier.stats.corrupt == 0
     good = [k for k in stored if k not in (key(1), key(2))]
     assert read_back(tier, allocator, good) == [True] * 7
+
+
+def _rewrite_headers(
+    device_dirs: list[Path], change: Callable[[RecordHeader], RecordHeader | None]
+) -> int:
+    """Apply ``change`` to every record header on disk (None leaves it)."""
+    header_file = device_dirs[0] / "kv-w0.hdr"
+    data = header_file.read_bytes()
+    changed = 0
+    with open(header_file, "r+b") as f:
+        for slot, header in decode_header_blocks(data[HEADER_SIZE:], 0, 1 << 30):
+            assert isinstance(header, RecordHeader)
+            new = change(header)
+            if new is not None:
+                f.seek(Geometry.header_offset(slot))
+                f.write(new.encode())
+                changed += 1
+    return changed
+
+
+def _as_version_1(header: RecordHeader, *, crc: int | None = None) -> RecordHeader:
+    """The header a 0.1.0 release wrote for the same payload (zlib's CRC32)."""
+    payload = random_kv(header.shape, header.key.chunk_hash).view(torch.uint8)
+    if crc is None:
+        crc = zlib.crc32(payload.numpy().tobytes())
+    return dataclasses.replace(header, version=1, payload_crc=crc)
+
+
+def test_format_1_records_are_read_and_checked_with_their_own_crc(
+    stored: list[CacheEngineKey],
+    device_dirs: list[Path],
+    tier_factory: TierFactory,
+    allocator: MixedMemoryAllocator,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A tier written by the release before CRC32C: its records are served
+    byte-exact and pass fsck; a version-1 header whose checksum is not the
+    payload's CRC32 (here: the CRC32C of a version-2 record) is a miss, and so
+    is a version this code does not know."""
+    first, mislabelled, unknown = stored[0], stored[1], stored[2]
+
+    def downgrade(header: RecordHeader) -> RecordHeader:
+        if header.key == mislabelled:
+            return _as_version_1(header, crc=header.payload_crc)
+        if header.key == unknown:
+            return dataclasses.replace(header, version=3)
+        return _as_version_1(header)
+
+    assert _rewrite_headers(device_dirs, downgrade) == 9
+    paths = [str(d) for d in device_dirs]
+    code, out, _ = cli(capsys, "fsck", *paths)
+    assert code == 1 and "kv-w0: 2 problem(s)" in out
+    assert "payload checksum mismatch" in out and "record format version 3" in out
+    code, out, _ = cli(capsys, "inspect", *paths, "--json")
+    assert code == 0 and json.loads(out)
+    tier = tier_factory()
+    try:
+        assert len(tier) == 8 and tier.stats.corrupt == 1  # version 3
+        good = [k for k in stored if k not in (mislabelled, unknown)]
+        assert read_back(tier, allocator, good) == [True] * 7
+        assert read_back(tier, allocator, [mislabelled]) == [False]
+        assert tier.stats.corrupt == 2
+        # new writes are version 2 again
+        fill(tier, allocator, [key(20)])
+    finally:
+        tier.close()
+    versions = {
+        h.key: h.version
+        for _, h in decode_header_blocks(
+            (device_dirs[0] / "kv-w0.hdr").read_bytes()[HEADER_SIZE:], 0, 1 << 30
+        )
+        if isinstance(h, RecordHeader)
+    }
+    assert versions[key(20)] == FORMAT_VERSION == 2 and versions[first] == 1
 
 
 def test_fsck_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,6 @@ import fcntl
 import os
 import sys
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TextIO
@@ -175,7 +174,7 @@ class TierFiles:
                     f"payload cut short on {self.slab_names[extent.device]}"
                 )
         view = buffer[: header.payload_size]
-        if zlib.crc32(view) != header.payload_crc:
+        if not header.payload_matches(view):
             raise CorruptRecord("payload checksum mismatch")
         return view
 
