@@ -245,18 +245,25 @@ class Geometry:
         return (body + _CRC.pack(zlib.crc32(body))).ljust(HEADER_SIZE, b"\0")
 
     @staticmethod
+    def superblock_sealed(block: bytes | memoryview) -> bool:
+        """Whether ``block`` is a superblock this package wrote (magic and
+        checksum hold), whatever layout or format version it records: a
+        change of settings, not damage."""
+        block = bytes(block[: _SUPER.size + _CRC.size])
+        if len(block) < _SUPER.size + _CRC.size or block[:8] != SUPER_MAGIC:
+            return False
+        (stored_crc,) = _CRC.unpack_from(block, _SUPER.size)
+        return zlib.crc32(block[: _SUPER.size]) == stored_crc
+
+    @staticmethod
     def decode_superblock(block: bytes | memoryview) -> Geometry | None:
         """The geometry a header file was written with, or None if unreadable."""
-        block = bytes(block[: _SUPER.size + _CRC.size])
-        if len(block) < _SUPER.size + _CRC.size:
-            return None
-        (stored_crc,) = _CRC.unpack_from(block, _SUPER.size)
-        if zlib.crc32(block[: _SUPER.size]) != stored_crc:
+        if not Geometry.superblock_sealed(block):
             return None
         magic, version, devices, stripe, per_device, max_payload = _SUPER.unpack_from(
             block
         )
-        if magic != SUPER_MAGIC or version != FORMAT_VERSION:
+        if version != FORMAT_VERSION:
             return None
         geometry = Geometry(devices, stripe, per_device, max_payload)
         return geometry if geometry.is_sane() else None
