@@ -127,6 +127,13 @@ class TieredBackend(StoragePluginInterface):
     ) -> TieredCache:
         if self.settings.slot_bytes is not None:
             max_payload = self.settings.slot_bytes
+            if metadata is not None and max_payload < full_chunk_bytes(metadata):
+                raise ConfigError(
+                    f"tiered.slot_mb: {max_payload / 2**20:.3g} MiB is less than "
+                    f"one full chunk of this model "
+                    f"({full_chunk_bytes(metadata) / 2**20:.3g} MiB): every full "
+                    "chunk would be dropped; raise it or leave it unset"
+                )
         elif metadata is not None:
             max_payload = full_chunk_bytes(metadata)
         else:

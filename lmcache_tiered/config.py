@@ -14,7 +14,7 @@ import os
 import re
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,8 @@ PREFIX = "tiered."
 #: policy beat plain demand reads.
 DEFAULT_POLICY = "none"
 GIB = 1 << 30
+#: The kernel's limit on an io_uring's entries (IORING_MAX_ENTRIES).
+MAX_QUEUE_DEPTH = 32768
 
 
 class ConfigError(ValueError):
@@ -133,13 +135,22 @@ def _parse_host_id(key: str, value: Any) -> str:
 
 
 def _parse_mode(key: str, value: Any) -> int:
-    """Octal permission bits: "0660" (string) or an int as YAML may give it."""
+    """Octal permission bits: "0660" (string) or an int as YAML may give it
+    (YAML reads 0660 as octal, but 660 as a decimal number)."""
+    expected = f'{key}: expected octal permission bits like "0600", got {value!r}'
     try:
         mode = value if isinstance(value, int) else int(str(value), 8)
     except ValueError:
-        raise ConfigError(f"{key}: expected octal permission bits like 0600") from None
+        raise ConfigError(expected) from None
     if not 0 <= mode <= 0o777 or isinstance(mode, bool):
-        raise ConfigError(f"{key}: expected octal permission bits like 0600")
+        if isinstance(value, int) and re.fullmatch("[0-7]{3}", str(value)):
+            expected += f' (YAML reads {value} as a decimal number: write "0{value}")'
+        raise ConfigError(expected)
+    if mode & 0o600 != 0o600:
+        raise ConfigError(
+            f"{key}: {mode:04o} does not let the owner read and write its own "
+            'files; give at least "0600"'
+        )
     return mode
 
 
@@ -171,7 +182,9 @@ SETTINGS: dict[str, Setting] = {
         _choice("auto", "uring", "threads"), "auto", "auto | uring | threads"
     ),
     "queue_depth": Setting(
-        _positive(_parse_int), 64, "I/O requests kept in flight per tier"
+        _in_range(_positive(_parse_int), 1, MAX_QUEUE_DEPTH),
+        64,
+        "I/O requests kept in flight per tier (each engine caps it lower)",
     ),
     "stripe_kb": Setting(
         _positive(_parse_int), 1024, "stripe unit in KiB (multiple of 4)"
@@ -319,11 +332,10 @@ class TieredConfig:
             )
         warm = _tier("warm", values)
         cold = _tier("cold", values) if values["cold.paths"] is not None else None
-        if cold is not None:
-            shared = set(warm.paths) & set(cold.paths)
-            if shared:
+        for path in cold.paths if cold is not None else ():
+            if (pair := same_directory((*warm.paths, path))) is not None:
                 raise ConfigError(
-                    f"{PREFIX}cold.paths: {sorted(shared)} is also a warm path; "
+                    f"{PREFIX}cold.paths: {path} is also a warm path ({pair[0]}); "
                     "give each tier its own directories"
                 )
         slot_mb = values["slot_mb"]
@@ -362,6 +374,12 @@ def _tier(name: str, values: Mapping[str, Any]) -> TierSettings:
     paths = values[f"{name}.paths"]
     for path in paths:
         check_directory(f"{PREFIX}{name}.paths", path)
+    if (pair := same_directory(paths)) is not None:
+        raise ConfigError(
+            f"{PREFIX}{name}.paths: {pair[0]} and {pair[1]} are the same directory "
+            "(a symbolic link or bind mount); list each directory once, one per "
+            "device"
+        )
     return TierSettings(
         name=name,
         paths=paths,
@@ -385,15 +403,44 @@ def check_directory(key: str, path: str) -> None:
         )
 
 
+def same_directory(paths: Sequence[str]) -> tuple[str, str] | None:
+    """The first two of ``paths`` that are one directory, however spelled (a
+    symbolic link, a bind mount: the same ``st_dev`` and ``st_ino``)."""
+    seen: dict[tuple[int, int], int] = {}
+    for i, path in enumerate(paths):
+        info = os.stat(path)
+        first = seen.setdefault((info.st_dev, info.st_ino), i)
+        if first != i:
+            return paths[first], path
+    return None
+
+
+def shared_file_systems(paths: tuple[str, ...]) -> list[str]:
+    """The first two of ``paths`` that lie on one file system (same
+    ``st_dev``), if any: striping over them is not striping over devices."""
+    seen: dict[int, str] = {}
+    for path in paths:
+        try:
+            device = os.stat(path).st_dev
+        except OSError:
+            continue
+        if (first := seen.setdefault(device, path)) != path:
+            return [first, path]
+    return []
+
+
 def exposure_warning(path: str) -> str | None:
-    """Why ``path`` (a tier directory or data file) is open to other users, if
-    it is: another user could then plant records that this process serves."""
+    """Why the directory ``path`` (or the one its symbolic link leads to) is
+    open to other users, if it is: another user could then plant records
+    that this process serves."""
     try:
-        st = os.stat(path, follow_symlinks=False)
+        st = os.stat(path)
     except OSError:
         return None
+    real = os.path.realpath(path)
+    name = path if real == path else f"{path} (-> {real})"
     if st.st_uid != os.geteuid():
-        return f"{path} is owned by uid {st.st_uid}, not by this process"
+        return f"{name} is owned by uid {st.st_uid}, not by this process"
     if st.st_mode & stat.S_IWOTH:
-        return f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+        return f"{name} is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
     return None

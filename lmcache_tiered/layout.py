@@ -45,7 +45,7 @@ FORMAT_VERSION = 2
 #: Record versions this code reads, and the payload checksum of each.
 _PAYLOAD_CHECKSUMS = {
     1: zlib.crc32,
-    2: lambda view: crc32c.crc32c(view, gil_release_mode=1),
+    2: lambda view, value: crc32c.crc32c(view, value, gil_release_mode=1),
 }
 #: The superblock's own layout version (unchanged by record version 2).
 SUPER_VERSION = 1
@@ -80,9 +80,12 @@ _SUPER = struct.Struct("<8sHHQQQ")
 _CRC = struct.Struct("<I")
 
 
-def payload_checksum(view: memoryview, version: int = FORMAT_VERSION) -> int:
-    """The checksum a record of ``version`` carries for its payload."""
-    return int(_PAYLOAD_CHECKSUMS[version](view))
+def payload_checksum(
+    view: memoryview, version: int = FORMAT_VERSION, value: int = 0
+) -> int:
+    """The checksum a record of ``version`` carries for its payload; pass the
+    checksum of the bytes before ``view`` as ``value`` to go on from there."""
+    return int(_PAYLOAD_CHECKSUMS[version](view, value))
 
 
 def align_up(n: int, alignment: int = ALIGN) -> int:
@@ -273,18 +276,25 @@ class Geometry:
         return (body + _CRC.pack(zlib.crc32(body))).ljust(HEADER_SIZE, b"\0")
 
     @staticmethod
+    def superblock_sealed(block: bytes | memoryview) -> bool:
+        """Whether ``block`` is a superblock this package wrote (magic and
+        checksum hold), whatever layout or format version it records: a
+        change of settings, not damage."""
+        block = bytes(block[: _SUPER.size + _CRC.size])
+        if len(block) < _SUPER.size + _CRC.size or block[:8] != SUPER_MAGIC:
+            return False
+        (stored_crc,) = _CRC.unpack_from(block, _SUPER.size)
+        return zlib.crc32(block[: _SUPER.size]) == stored_crc
+
+    @staticmethod
     def decode_superblock(block: bytes | memoryview) -> Geometry | None:
         """The geometry a header file was written with, or None if unreadable."""
-        block = bytes(block[: _SUPER.size + _CRC.size])
-        if len(block) < _SUPER.size + _CRC.size:
-            return None
-        (stored_crc,) = _CRC.unpack_from(block, _SUPER.size)
-        if zlib.crc32(block[: _SUPER.size]) != stored_crc:
+        if not Geometry.superblock_sealed(block):
             return None
         magic, version, devices, stripe, per_device, max_payload = _SUPER.unpack_from(
             block
         )
-        if magic != SUPER_MAGIC or version != SUPER_VERSION:
+        if version != SUPER_VERSION:
             return None
         geometry = Geometry(devices, stripe, per_device, max_payload)
         return geometry if geometry.is_sane() else None

@@ -6,20 +6,27 @@ header files in the cold tier's first directory and (re)reads them through
 read-only tiers. A chunk another host is still writing is invisible (its
 header comes last), and one it rewrites while we read fails its CRC check,
 which read-only tiers apply to every read: never served half-done.
+
+Any member of the group the directory is shared with can put any file there:
+a name that is not a regular file (a FIFO, which would block ``open()``
+forever) is skipped with one WARNING, and every file is opened without
+blocking (:func:`lmcache_tiered.files.open_regular`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 
 from lmcache.utils import CacheEngineKey
 
-from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.files import file_kind, printable
 from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.tier import JOIN_S, Tier
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -43,6 +50,8 @@ class SharedCold:
         self._foreign: dict[str, Tier] = {}
         #: header file -> (size, mtime_ns, wall time) when we last read it
         self._read_at: dict[str, tuple[int, int, float]] = {}
+        #: names already warned about as not being tier files
+        self._refused: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,8 +80,11 @@ class SharedCold:
                 continue
             tier = self._foreign.get(name)
             try:
-                stat = os.stat(os.path.join(own.paths[0], name))
-                stamp = (stat.st_size, stat.st_mtime_ns)
+                info = os.stat(os.path.join(own.paths[0], name), follow_symlinks=False)
+                if not stat.S_ISREG(info.st_mode):
+                    self._refuse(name, f"a {file_kind(info.st_mode)}")
+                    continue
+                stamp = (info.st_size, info.st_mtime_ns)
                 if self._unchanged(name, stamp):
                     continue
                 read_at = time.time()
@@ -90,8 +102,21 @@ class SharedCold:
                 else:
                     tier.refresh()
                 self._read_at[name] = (*stamp, read_at)
+            except ConfigError as exc:  # a link, a FIFO... planted under a tier name
+                self._refuse(name, str(exc))
             except (OSError, ValueError) as exc:  # its files are half-made or gone
                 logger.debug("shared cold tier: skipping %s: %s", name, exc)
+        if self._stop.is_set():  # closed meanwhile: close what we opened
+            for tier in self.tiers():
+                tier.close()
+
+    def _refuse(self, name: str, why: str) -> None:
+        """Skip another host's files that are not tier files (warned once)."""
+        if name not in self._refused:
+            self._refused.add(name)
+            logger.warning(
+                "shared cold tier: ignoring %s: %s", printable(name), printable(why)
+            )
 
     def _unchanged(self, name: str, stamp: tuple[int, int]) -> bool:
         """Whether header file ``name`` (size, mtime_ns) is as we last read it
@@ -112,8 +137,13 @@ class SharedCold:
                 logger.warning("shared cold tier: cannot list it: %s", exc)
 
     def close(self) -> None:
+        """Stop the refresher (waiting JOIN_S at most: a hung file system can
+        hold it in a read; it closes what it opens after that) and close the
+        other hosts' tiers."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(JOIN_S)
+            if self._thread.is_alive():
+                logger.warning("shared cold tier: refresher stuck in I/O; left behind")
         for tier in self.tiers():
             tier.close()

@@ -39,7 +39,9 @@ from lmcache_tiered.config import (
     TieredConfig,
     TierSettings,
     exposure_warning,
+    shared_file_systems,
 )
+from lmcache_tiered.files import NotRegularFile, open_regular, printable
 from lmcache_tiered.io import aligned_buffer, make_engine
 from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.keys import key_digest, key_text
@@ -77,6 +79,12 @@ DEGRADE_AFTER = 3
 PROBE_S = 5.0
 #: errnos of a full file system: the tier stops growing but is not degraded.
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: Seconds between WARNING lines about damaged chunks of one tier; the lines
+#: carry the running count, so none goes unreported.
+DAMAGE_LOG_S = 10.0
+#: Seconds :meth:`Tier.close` waits for the prober (stuck in I/O on a hung
+#: device, it is a daemon thread and is left behind).
+JOIN_S = 10.0
 
 
 @dataclass(slots=True)
@@ -131,6 +139,12 @@ class Payload:
         )
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino): which file a descriptor is, however it was named."""
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
 def payload_view(obj: MemoryObj) -> memoryview:
     """Writable view of a MemoryObj's whole physical buffer (no copy)."""
     raw: torch.Tensor = obj.raw_data
@@ -145,7 +159,8 @@ class Tier:
 
     Durability: a record is on disk, and survives a crash of this process,
     once :meth:`write_payloads` returns True for it (payload, then header,
-    both written); with ``tiered.fsync`` it also survives a power loss.
+    both written, then each file checked to be still the one at its path);
+    with ``tiered.fsync`` it also survives a power loss.
     """
 
     def __init__(
@@ -203,14 +218,31 @@ class Tier:
         self._names.append(os.path.join(self.paths[0], f"{owner}.hdr"))
         self._lock_name = os.path.join(self.paths[0], f"{owner}.lock")
         self._header_file = len(self._names) - 1
+        #: monotonic time before which damaged chunks are only counted
+        self._damage_quiet_until = 0.0
+        #: the index is not loaded (start-up found the files unreadable):
+        #: recovery loads it before the tier serves
+        self._unloaded = False
         for path in self.paths:
             if (why := exposure_warning(path)) is not None:
                 logger.warning(
                     "tier %s: %s; another user could plant data in it", self.name, why
                 )
+        if not read_only and (shared := shared_file_systems(self.paths)):
+            logger.warning(
+                "tier %s: %s are on one file system: chunks are striped over "
+                "directories, not devices, so reads get no faster; list one "
+                "directory per NVMe device in tiered.%s.paths",
+                self.name,
+                " and ".join(shared),
+                self.name,
+            )
         self._open_files()
         try:
-            self._load_or_format()
+            if (why := self._load_or_format()) is not None:
+                self._unloaded = True
+                with self._lock:
+                    self._degrade_locked(why)
         except BaseException:
             self._close_files()
             raise
@@ -221,45 +253,73 @@ class Tier:
         """Lock the tier for this process, then open (creating) its files and
         start its engine.
 
-        The lock lives on its own descriptor: an io_uring ring keeps its
-        registered files open for a while after it is torn down.
+        Locks live on descriptors of their own: an io_uring ring keeps its
+        registered files open for a while after it is torn down. Besides the
+        owner's lock file, each slab is locked itself, so two processes whose
+        first paths differ still cannot share a slab (a directory listed by
+        both, under any name).
         """
         if self.read_only:
             self._fds = [self._open(name) for name in self._names]
-            self._lock_fd: int | None = None
+            self._lock_fds: list[int] = []
             self.engine = make_engine(self._engine_kind, self._fds, self._queue_depth)
             return
-        lock_fd = os.open(
-            self._lock_name,
-            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-            self._mode,
-        )
+        lock_fds: list[int] = []
         fds: list[int] = []
         try:
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ConfigError(
-                    f"tiered.{self.name}.paths: {self._lock_name} is held by another "
-                    "live process; give each LMCache instance its own directories"
-                ) from None
+            lock_fds.append(self._open(self._lock_name, data=False))
+            self._take_lock(lock_fds[0], self._lock_name, "is held")
             for name in self._names:
                 fds.append(self._open(name))
+            self._refuse_shared_files(fds)
+            for name, fd in zip(self.slab_paths, fds, strict=False):
+                lock_fds.append(self._open(name, data=False))
+                if _identity(lock_fds[-1]) != _identity(fd):
+                    raise OSError(errno.EAGAIN, f"{name} was replaced while opening")
+                self._take_lock(lock_fds[-1], name, "is in use")
             engine = make_engine(self._engine_kind, fds, self._queue_depth)
         except BaseException:
-            for fd in [*fds, lock_fd]:
+            for fd in [*fds, *lock_fds]:
                 os.close(fd)
             raise
-        self._lock_fd = lock_fd
+        self._lock_fds = lock_fds
         self._fds, self.engine = fds, engine
 
-    def _open(self, name: str) -> int:
-        """Open one data file: never through a symbolic link, with the
-        configured mode whatever the umask or an earlier run left."""
-        flags = os.O_NOFOLLOW | os.O_CLOEXEC
-        flags |= os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT
+    def _take_lock(self, fd: int, name: str, what: str) -> None:
+        """flock ``fd`` for this process; ConfigError if another holds it."""
         try:
-            fd = self._open_direct(name, flags)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"tiered.{self.name}.paths: {name} {what} by another live process; "
+                "give each LMCache instance its own directories (a directory can "
+                "be reached by several names: symbolic links, bind mounts)"
+            ) from None
+
+    def _refuse_shared_files(self, fds: Sequence[int]) -> None:
+        """ConfigError if two of the tier's names are one file (a hard link):
+        their stripe units would overwrite each other."""
+        seen: dict[tuple[int, int], str] = {}
+        for name, fd in zip(self._names, fds, strict=True):
+            if (first := seen.setdefault(_identity(fd), name)) != name:
+                raise ConfigError(
+                    f"tiered.{self.name}.paths: {first} and {name} are the same "
+                    "file (a hard link); remove the link"
+                )
+
+    def _open(self, name: str, *, data: bool = True) -> int:
+        """Open one of the tier's files: only a regular file, never through a
+        symbolic link and without blocking (see :mod:`lmcache_tiered.files`),
+        with the configured mode whatever the umask or an earlier run left;
+        O_DIRECT for a data file if configured."""
+        flags = os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT
+        try:
+            fd = open_regular(name, flags, self._mode)
+        except NotRegularFile as exc:
+            raise ConfigError(
+                f"tiered.{self.name}.paths: {exc}; tier files are only regular "
+                "files: remove it"
+            ) from None
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
@@ -267,9 +327,18 @@ class Tier:
                 f"tiered.{self.name}.paths: {name} is a symbolic link; tier files "
                 "are never opened through links: remove it"
             ) from None
+        try:
+            if data:
+                self._set_direct(fd, name)
+                if not self.read_only:
+                    self._check_owner(fd, name)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_owner(self, fd: int, name: str) -> None:
         info = os.fstat(fd)
-        if self.read_only:
-            return fd
         if info.st_uid != os.geteuid():
             logger.warning(
                 "tier %s: %s is owned by uid %d, not by this process; another user "
@@ -280,57 +349,69 @@ class Tier:
             )
         elif stat.S_IMODE(info.st_mode) != self._mode:
             os.fchmod(fd, self._mode)
-        return fd
 
-    def _open_direct(self, name: str, flags: int) -> int:
-        if self.direct_io:
-            try:
-                return os.open(name, flags | os.O_DIRECT, self._mode)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                logger.warning(
-                    "%s: the file system refuses O_DIRECT; tier %s uses buffered "
-                    "I/O (page cache) instead",
-                    name,
-                    self.name,
-                )
-                self.direct_io = False
-        return os.open(name, flags, self._mode)
+    def _set_direct(self, fd: int, name: str) -> None:
+        """Switch ``fd`` to O_DIRECT if configured; buffered I/O for the whole
+        tier if the file system refuses it."""
+        if not self.direct_io:
+            return
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            logger.warning(
+                "%s: the file system refuses O_DIRECT; tier %s uses buffered "
+                "I/O (page cache) instead",
+                name,
+                self.name,
+            )
+            self.direct_io = False
 
     def _close_files(self) -> None:
         """Stop the engine and close the files and the lock (idempotent)."""
         if not self._fds:
             return
         self.engine.close()
-        for fd in self._fds:
+        for fd in [*self._fds, *self._lock_fds]:
             os.close(fd)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-        self._fds = []
+        self._fds, self._lock_fds = [], []
 
-    def _load_or_format(self) -> None:
-        """Rebuild the index from the header file, or start a fresh one.
+    def _load_or_format(self) -> str | None:
+        """Rebuild the index from the header file, or start a fresh one; why
+        not, when the files cannot be read.
 
-        Raises OSError when the superblock cannot be written: a tier that
-        cannot record its layout must not take writes.
+        Files are emptied only when they hold nothing yet, or a superblock
+        this package sealed with another layout or format version (settings
+        changed). A read error or a damaged superblock returns the reason
+        instead and leaves every byte where it is: the caller degrades the
+        tier, and ``fsck`` can look at the files. Raises OSError when the
+        superblock cannot be written: a tier that cannot record its layout
+        must not take writes.
         """
         header_fd = self._fds[self._header_file]
         size = os.fstat(header_fd).st_size
-        on_disk = None
-        if size >= HEADER_SIZE:
-            block = aligned_buffer(HEADER_SIZE)
+        block = aligned_buffer(HEADER_SIZE)
+        on_disk, sealed = None, False
+        if size:
             request = IORequest(self._header_file, 0, block)
-            if self._submit([request], write=False).result() == [HEADER_SIZE]:
+            (got,) = self._submit([request], write=False).result()
+            if got < 0 and not self.read_only:
+                return self._unreadable(
+                    f"its superblock read failed: {os.strerror(-got)}"
+                )
+            if got == HEADER_SIZE:
                 on_disk = Geometry.decode_superblock(block)
+                sealed = Geometry.superblock_sealed(block)
         if on_disk == self.geometry:
-            self._scan_headers(size)
-            return
+            return self._scan_headers(size)
         if self.read_only:
             with self._lock:
                 self._entries = OrderedDict()
-            return
-        if size:
+            return None
+        if size and not sealed and not self._holds_nothing(size):
+            return self._unreadable("its superblock is damaged")
+        if sealed:
             logger.warning(
                 "tier %s: %s was written with another layout (%s, now %s); "
                 "starting the tier empty",
@@ -341,7 +422,6 @@ class Tier:
             )
         for fd in self._fds:
             os.ftruncate(fd, 0)
-        block = aligned_buffer(HEADER_SIZE)
         block[:] = self.geometry.encode_superblock()
         if self._write_all([IORequest(self._header_file, 0, block)]) != [True]:
             raise OSError(
@@ -350,9 +430,29 @@ class Tier:
         with self._lock:
             self._entries, self._free = OrderedDict(), []
             self._allocated_slots = self._sequence = 0
+        return None
 
-    def _scan_headers(self, size: int) -> None:
-        """Index every valid header; the rest of the slots become free."""
+    def _holds_nothing(self, header_size: int) -> bool:
+        """Whether the files hold no record at all (a format cut short), so
+        formatting them loses nothing."""
+        slabs = self._fds[: self._header_file]
+        return header_size <= HEADER_SIZE and not any(
+            os.fstat(fd).st_size for fd in slabs
+        )
+
+    def _unreadable(self, what: str) -> str:
+        """Why the tier does not start on its files, and what to do."""
+        owner = os.path.basename(self.header_path).removesuffix(".hdr")
+        return (
+            f"{self.header_path}: {what}; its files are left as they are: check "
+            f"them with `lmcache-tiered fsck {' '.join(self.paths)} --owner "
+            f"{owner}`, or remove them to start the tier empty"
+        )
+
+    def _scan_headers(self, size: int) -> str | None:
+        """Index every valid header; the rest of the slots become free. A
+        read error leaves the index as it was and returns why (see
+        :meth:`_load_or_format`)."""
         slots = min(size // HEADER_SIZE - 1, self.max_slots)
         if size % HEADER_SIZE:
             self.stats.corrupt += 1  # a header cut by a truncated file
@@ -370,7 +470,13 @@ class Tier:
             count = min(per_read, slots - first)
             view = buffer[: count * HEADER_SIZE]
             request = IORequest(self._header_file, Geometry.header_offset(first), view)
-            if self._submit([request], write=False).result() != [len(view)]:
+            (got,) = self._submit([request], write=False).result()
+            if got < 0 and not self.read_only:
+                return self._unreadable(
+                    f"reading the headers of slots {first}-{first + count - 1} "
+                    f"failed: {os.strerror(-got)}"
+                )
+            if got != len(view):
                 slots = first  # the header file ends early: so does the tier
                 break
             max_payload = self.geometry.max_payload
@@ -402,6 +508,7 @@ class Tier:
             len(used),
             self._names[self._header_file],
         )
+        return None
 
     def _within_slabs(
         self, found: list[tuple[int, RecordHeader]]
@@ -647,10 +754,23 @@ class Tier:
         return True
 
     def _damaged(self, header: RecordHeader, what: str) -> bool:
-        """Count and log a record that fails its checks; False (drop it)."""
-        self.stats.corrupt += 1
+        """Count a record that fails its checks and log it (one line per
+        DAMAGE_LOG_S at most, with the count so far); False (drop it)."""
+        with self._lock:
+            self.stats.corrupt += 1
+            count = self.stats.corrupt
+            now = time.monotonic()
+            if now < self._damage_quiet_until:
+                return False
+            self._damage_quiet_until = now + DAMAGE_LOG_S
         logger.warning(
-            "tier %s: chunk %s %s; dropped", self.name, key_text(header.key), what
+            "tier %s: chunk %s %s; dropped (%d damaged records so far; at most "
+            "one such line every %g s)",
+            self.name,
+            printable(key_text(header.key)),
+            what,
+            count,
+            DAMAGE_LOG_S,
         )
         return False
 
@@ -798,6 +918,11 @@ class Tier:
                 headers.append(IORequest(self._header_file, offset, block))
         header_ok = iter(self._write_all(headers) if headers else ())
         done = [ok and next(header_ok) for ok in payload_ok]
+        if any(done) and (gone := self._missing_file()) is not None:
+            # written into a file no longer at its path: lost on restart
+            with self._lock:
+                self._degrade_locked(f"{gone} was removed or replaced")
+            done = [False] * len(done)
         with self._lock:
             # tails first, so the chain's head ends up the most recent
             for ok, (i, entry, _) in reversed(list(zip(done, planned, strict=True))):
@@ -1035,14 +1160,20 @@ class Tier:
         """One probe of a degraded tier; True once it serves again.
 
         The same files answering again keep the index, each record to be
-        CRC-checked on its next read; files replaced at the tier's paths (or a
-        path back after it was removed) are opened afresh, once no operation
-        still uses the old ones.
+        CRC-checked on its next read (or load it, if start-up could not);
+        files replaced at the tier's paths (or a path back after it was
+        removed) are opened afresh, once no operation still uses the old ones.
         """
         if self._missing_file() is None:
-            if not self._probe_io():
+            if self._unloaded:
+                if (why := self._load_or_format()) is not None:
+                    logger.debug("tier %s: still unreadable: %s", self.name, why)
+                    return False
+                how = f"its files read again, {len(self._entries)} chunks found"
+            elif not self._probe_io():
                 return False
-            how = "its files answer again"
+            else:
+                how = "its files answer again"
         else:
             with self._lock:
                 if self._busy:
@@ -1051,11 +1182,16 @@ class Tier:
             self.max_slots = self._capacity_slots
             self._open_files()
             try:
-                self._load_or_format()
+                why = self._load_or_format()
             except BaseException:
                 self._close_files()
                 raise
+            if why is not None:
+                self._unloaded = True
+                logger.debug("tier %s: still unreadable: %s", self.name, why)
+                return False
             how = f"reopened its files, {len(self._entries)} chunks found"
+        self._unloaded = False
         with self._lock:
             for entry in self._entries.values():
                 entry.verified = False
@@ -1112,5 +1248,10 @@ class Tier:
             prober = self._prober
         self._stop.set()
         if prober is not None:
-            prober.join()
+            prober.join(JOIN_S)
+            if prober.is_alive():
+                logger.warning(
+                    "tier %s: its prober is stuck in I/O; closing without it",
+                    self.name,
+                )
         self._close_files()

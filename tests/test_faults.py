@@ -856,7 +856,10 @@ def test_overload_soak(device_dirs: list[Path], tmp_path: Path) -> None:
     LMCACHE_TIERED_SOAK_S seconds (15 in CI) against a warm tier of 12 slots
     demoting to a cold one of 24: constant eviction, demotion and promotion.
     Every read is checked; no thread may hang; descriptors stay the same and
-    RSS flat after the warm-up third; every MemoryObj is freed at the end."""
+    RSS flat after the warm-up third; every MemoryObj is freed at the end.
+    RSS before the cache opens, after the warm-up third and at the end are
+    reported (``pytest -s``)."""
+    rss_start = _rss_bytes()
     cold = tmp_path / "cold"
     cold.mkdir()
     config = tiered_config(
@@ -971,6 +974,9 @@ def test_overload_soak(device_dirs: list[Path], tmp_path: Path) -> None:
         removes=counts["removes"],
         evictions=snap["warm"]["evictions"] + snap["cold"]["evictions"],
         wrong_bytes=verdict.wrong_bytes,
+        rss_start_mib=rss_start >> 20,
+        rss_warm_mib=rss >> 20,
+        rss_end_mib=rss_end >> 20,
         rss_growth_kib=(rss_end - rss) >> 10,
         fd_growth=fds_end - fds,
     )

@@ -9,7 +9,8 @@ tier's lock and refuses while a live process holds it; without ``--repair``
 the files are only read.
 
 Exit status: 0 clean, 1 problems found (repaired or not), 2 could not check
-(bad arguments, missing files, tier in use).
+(bad arguments, missing or unreadable files, tier in use). An owner that
+cannot be checked is reported and the others are still checked.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import sys
 from typing import Any
 
+from lmcache_tiered.files import printable
 from lmcache_tiered.keys import key_text
 from lmcache_tiered.layout import HEADER_SIZE, CorruptRecord
 from lmcache_tiered.ops.records import (
@@ -54,7 +56,11 @@ def check(files: TierFiles, show_progress: bool) -> list[tuple[int | None, str]]
     The payload reads, the long part, move a progress bar on stderr."""
     if files.geometry is None:
         return [
-            (None, "superblock unreadable: a tier opening these files starts empty")
+            (
+                None,
+                "superblock unreadable: a tier opening these files starts "
+                "degraded and leaves them as they are",
+            )
         ]
     problems: list[tuple[int | None, str]] = []
     if files.cut_tail:
@@ -66,7 +72,7 @@ def check(files: TierFiles, show_progress: bool) -> list[tuple[int | None, str]]
     for done, slot in enumerate(live.values(), 1):
         assert slot.header is not None
         try:
-            files.read_payload(slot.index, slot.header)
+            files.check_payload(slot.index, slot.header)
         except CorruptRecord as exc:
             problems.append((slot.index, f"{exc} ({key_text(slot.header.key)})"))
         progress.update(done)
@@ -88,30 +94,40 @@ def repair(files: TierFiles, problems: list[tuple[int | None, str]]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    found = 0
+    found = unchecked = 0
     try:
         names = owners(args.paths[0], args.owner)
-        for owner in names:
-            with TierFiles(args.paths, owner, writable=args.repair) as files:
-                if args.repair:
-                    files.lock()
-                elif holder := lock_holder(files.lock_name):
-                    print(
-                        f"{owner}: in use by pid {holder}: a record rewritten "
-                        "during the check may show as a problem",
-                        file=sys.stderr,
-                    )
-                problems = check(files, args.progress)
-                for slot, problem in problems:
-                    where = "file" if slot is None else f"slot {slot}"
-                    print(f"{files.header_name}: {where}: {problem}")
-                fixed = repair(files, problems) if problems and args.repair else 0
-                print(
-                    f"{owner}: {len(problems)} problem(s)"
-                    + (f", {fixed} repaired" if args.repair else "")
-                )
-                found += len(problems)
     except ToolError as exc:
-        print(f"lmcache-tiered fsck: {exc}", file=sys.stderr)
+        print(f"lmcache-tiered fsck: {printable(str(exc))}", file=sys.stderr)
         return 2
-    return 1 if found else 0
+    for owner in names:
+        try:
+            found += check_owner(args, owner)
+        except (ToolError, OSError) as exc:
+            unchecked += 1
+            why = printable(str(exc))
+            print(f"lmcache-tiered fsck: {printable(owner)}: {why}", file=sys.stderr)
+    return 2 if unchecked else 1 if found else 0
+
+
+def check_owner(args: argparse.Namespace, owner: str) -> int:
+    """Check (and repair, if asked) one owner's files; how many problems."""
+    with TierFiles(args.paths, owner, writable=args.repair) as files:
+        if args.repair:
+            files.lock()
+        elif holder := lock_holder(files.lock_name):
+            print(
+                f"{printable(owner)}: in use by pid {holder}: a record rewritten "
+                "during the check may show as a problem",
+                file=sys.stderr,
+            )
+        problems = check(files, args.progress)
+        for slot, problem in problems:
+            where = "file" if slot is None else f"slot {slot}"
+            print(printable(f"{files.header_name}: {where}: {problem}"))
+        fixed = repair(files, problems) if problems and args.repair else 0
+        print(
+            f"{printable(owner)}: {len(problems)} problem(s)"
+            + (f", {fixed} repaired" if args.repair else "")
+        )
+        return len(problems)

@@ -5,7 +5,12 @@ capacity in slots and disk bytes, oldest and newest record, and the groups
 (model and request tags, or cache salt) holding the most bytes. Only headers
 are read, so it is quick on a big tier and safe beside a live server (files
 opened read-only, no lock taken). ``--keys`` lists every stored key instead,
-newest first: the input ``warmup --keys`` takes.
+newest first: the input ``warmup --keys`` takes. Text from the files (model
+names, owners) is printed with unprintable characters escaped (``\\x1b``),
+as ``warmup --keys`` reads it back.
+
+Exit status: 0 all read, 2 some owner could not be read (reported; the others
+are still shown) or bad arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import sys
 from collections import Counter
 from typing import Any
 
+from lmcache_tiered.files import printable
 from lmcache_tiered.keys import key_text
 from lmcache_tiered.ops.records import (
     TierFiles,
@@ -97,12 +103,16 @@ def _iso(ns: int) -> str:
 def _text(report: dict[str, Any]) -> str:
     holder = report["in_use_by_pid"]
     lines = [
-        f"{report['owner']} under {', '.join(report['paths'])}"
+        f"{printable(report['owner'])} under "
+        f"{printable(', '.join(report['paths']))}"
         + (f" (in use by pid {holder})" if holder else " (not in use)")
     ]
     layout = report["layout"]
     if layout is None:
-        lines.append("  superblock unreadable: a tier opening these files starts empty")
+        lines.append(
+            "  superblock unreadable: a tier opening these files starts degraded "
+            "and leaves them as they are"
+        )
         return "\n".join(lines)
     lines += [
         f"  layout: {layout['devices']} device(s), stripe "
@@ -118,7 +128,8 @@ def _text(report: dict[str, Any]) -> str:
     if report["top_groups"]:
         lines.append("  top groups by size:")
         lines += [
-            f"    {g['bytes'] / MIB:10.1f} MiB {g['chunks']:8d} chunks  {g['group']}"
+            f"    {g['bytes'] / MIB:10.1f} MiB {g['chunks']:8d} chunks  "
+            f"{printable(g['group'])}"
             for g in report["top_groups"]
         ]
     return "\n".join(lines)
@@ -127,8 +138,12 @@ def _text(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         names = owners(args.paths[0], args.owner)
-        reports = []
-        for owner in names:
+    except ToolError as exc:
+        print(f"lmcache-tiered inspect: {printable(str(exc))}", file=sys.stderr)
+        return 2
+    reports, unread = [], []
+    for owner in names:
+        try:
             with TierFiles(args.paths, owner) as files:
                 if args.keys:
                     live, _ = newest(list(files.scan()))
@@ -137,14 +152,17 @@ def run(args: argparse.Namespace) -> int:
                         key=lambda h: h.sequence,
                         reverse=True,
                     )
-                    sys.stdout.writelines(key_text(h.key) + "\n" for h in by_age)
+                    sys.stdout.writelines(
+                        printable(key_text(h.key)) + "\n" for h in by_age
+                    )
                 else:
                     reports.append(summarise(files, args.top))
-    except ToolError as exc:
-        print(f"lmcache-tiered inspect: {exc}", file=sys.stderr)
-        return 2
+        except (ToolError, OSError) as exc:
+            unread.append({"owner": owner, "error": str(exc)})
+            why = printable(str(exc))
+            print(f"lmcache-tiered inspect: {printable(owner)}: {why}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"owners": reports}, indent=2))
+        print(json.dumps({"owners": reports, "unreadable": unread}, indent=2))
     elif reports:
         print("\n".join(_text(r) for r in reports))
-    return 0
+    return 2 if unread else 0

@@ -5,6 +5,11 @@ first path, one slab per path and a lock file. :class:`TierFiles` opens them
 without O_DIRECT and without taking the lock, decodes the superblock and
 every header with the same validation as a live tier, and reads payloads
 extent by extent to check their CRC.
+
+The files are checked, not trusted: each is opened without blocking and only
+if it is a regular file (a FIFO planted under a tier name would hang the
+tool), and a superblock declaring slots larger than :data:`MAX_RECORD_BYTES`
+is refused, so no size read from disk decides how much memory is taken.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from lmcache_tiered.files import NotRegularFile, open_regular
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.layout import (
@@ -28,10 +34,14 @@ from lmcache_tiered.layout import (
     RecordHeader,
     align_up,
     decode_header_blocks,
+    payload_checksum,
 )
 
-#: Header bytes read per call while scanning.
+#: Header bytes read per call while scanning, payload bytes while checking.
 _SCAN_BYTES = 4 << 20
+#: The largest slot the tools read: a real chunk is tens of MiB; a superblock
+#: declaring more is damaged or crafted.
+MAX_RECORD_BYTES = 1 << 30
 
 
 class ToolError(Exception):
@@ -109,6 +119,12 @@ class TierFiles:
                     f"{self.header_name}: this tier has {devices} device(s); give "
                     f"its {devices} paths in the order of tiered.<tier>.paths"
                 )
+            if self.geometry and self.geometry.max_payload > MAX_RECORD_BYTES:
+                raise ToolError(
+                    f"{self.header_name}: its superblock declares slots of "
+                    f"{self.geometry.max_payload} bytes, more than the "
+                    f"{MAX_RECORD_BYTES} this tool reads: damaged or crafted"
+                )
         except BaseException:
             self.close()
             raise
@@ -119,7 +135,9 @@ class TierFiles:
 
     def _open(self, name: str, mode: int) -> int:
         try:
-            fd = os.open(name, mode | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = open_regular(name, mode)
+        except NotRegularFile as exc:
+            raise ToolError(str(exc)) from None
         except OSError as exc:
             why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
             raise ToolError(f"{name}: {why}") from None
@@ -161,22 +179,40 @@ class TierFiles:
 
     def read_payload(self, slot: int, header: RecordHeader) -> memoryview:
         """The record's payload, checked; CorruptRecord if short or bad."""
-        assert self.geometry is not None
         buffer = aligned_buffer(align_up(header.payload_size))
+        self._read_checked(slot, header, buffer)
+        return buffer[: header.payload_size]
+
+    def check_payload(self, slot: int, header: RecordHeader) -> None:
+        """Check the record's payload through a small buffer; CorruptRecord
+        if short or bad."""
+        self._read_checked(slot, header, None)
+
+    def _read_checked(
+        self, slot: int, header: RecordHeader, into: memoryview | None
+    ) -> None:
+        """Read the payload in order, into ``into`` or a scratch buffer of at
+        most _SCAN_BYTES, and compare its checksum with the header's."""
+        assert self.geometry is not None
+        scratch = aligned_buffer(_SCAN_BYTES) if into is None else into
+        crc = 0
         for extent in self.geometry.extents(slot, header.payload_size):
-            got = os.preadv(
-                self.slab_fds[extent.device],
-                [buffer[extent.start : extent.start + extent.length]],
-                extent.offset,
-            )
-            if got != extent.length:
+            fd = self.slab_fds[extent.device]
+            if extent.offset + extent.length > os.fstat(fd).st_size:
                 raise CorruptRecord(
                     f"payload cut short on {self.slab_names[extent.device]}"
                 )
-        view = buffer[: header.payload_size]
-        if not header.payload_matches(view):
+            for done in range(0, extent.length, _SCAN_BYTES):
+                length = min(_SCAN_BYTES, extent.length - done)
+                start = 0 if into is None else extent.start + done
+                view = scratch[start : start + length]
+                if os.preadv(fd, [view], extent.offset + done) != length:
+                    raise CorruptRecord(
+                        f"payload cut short on {self.slab_names[extent.device]}"
+                    )
+                crc = payload_checksum(view, header.version, crc)
+        if crc != header.payload_crc:
             raise CorruptRecord("payload checksum mismatch")
-        return view
 
     def drop(self, slot: int) -> None:
         """Zero a record's header: a live tier then sees a free slot."""

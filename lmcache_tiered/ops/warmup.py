@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
+from lmcache_tiered.files import open_regular, unprintable
 from lmcache_tiered.keys import StoreKey, key_digest, key_from_string
 from lmcache_tiered.layout import HEADER_SIZE, CorruptRecord, Geometry, align_up
 from lmcache_tiered.ops.records import Slot, TierFiles, ToolError, newest, owners
@@ -209,17 +210,24 @@ def _open_target(args: argparse.Namespace, owner: str, source: Geometry) -> Tier
 
 def _recorded_geometry(header_name: str) -> Geometry | None:
     try:
-        with open(header_name, "rb") as f:
-            return Geometry.decode_superblock(f.read(HEADER_SIZE))
+        fd = open_regular(header_name, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    except OSError as exc:  # a link, a FIFO...: the target refuses it too
+        raise ToolError(
+            f"{header_name}: {exc.strerror}" if exc.strerror else str(exc)
+        ) from None
+    try:
+        return Geometry.decode_superblock(os.pread(fd, HEADER_SIZE, 0))
+    finally:
+        os.close(fd)
 
 
 def _read_keys(path: str) -> list[StoreKey]:
     keys = []
     for number, line in _lines(path):
         try:
-            keys.append(key_from_string(line))
+            keys.append(key_from_string(unprintable(line)))
         except (ValueError, KeyError, IndexError, TypeError):
             raise ToolError(f"{path}:{number}: not a key: {line[:80]!r}") from None
     return keys
