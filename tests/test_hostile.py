@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -115,6 +116,23 @@ def test_one_directory_under_two_names_is_refused(
     )
     with pytest.raises(ConfigError, match=f"tiered.cold.paths: {link} is also a warm"):
         tiered_config(device_dirs, **{"cold.paths": [str(link)]})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a bind mount needs root")
+def test_a_bind_mount_of_a_listed_directory_is_refused(
+    device_dirs: list[Path], tmp_path: Path
+) -> None:
+    """The same directory mounted a second time: the same (st_dev, st_ino)."""
+    mount_point = tmp_path / "bound"
+    mount_point.mkdir()
+    subprocess.run(
+        ["mount", "--bind", str(device_dirs[0]), str(mount_point)], check=True
+    )
+    try:
+        with pytest.raises(ConfigError, match="are the same directory"):
+            tiered_config([device_dirs[0], mount_point])
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 def test_paths_on_one_file_system_are_warned_about(
