@@ -44,6 +44,8 @@ __all__ = [
     "cpu_pool_bytes",
     "engine_instances",
     "l2_memory_tags",
+    "mock_up_broadcast_fn",
+    "mock_up_broadcast_object_fn",
     "object_key_to_string",
     "seed_l2_usage",
     "unsupported",
@@ -97,6 +99,9 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "lmcache.inprocess.v1.gpu_connector.gpu_connectors",
         "lmcache.v1.gpu_connector.gpu_connectors",
     ),
+    # no-op collectives the builder needs for one engine outside vLLM
+    "mock_up_broadcast_fn": ("lmcache.utils",),
+    "mock_up_broadcast_object_fn": ("lmcache.utils",),
     # a singleton thread the harness stops after the last engine
     "PinMonitor": ("lmcache.inprocess.v1.pin_monitor", "lmcache.v1.pin_monitor"),
     # the backend maps hint tokens to chunk keys with LMCache's own token
@@ -125,6 +130,7 @@ if TYPE_CHECKING:  # lmcache ships no types: all of these are Any to mypy
     )
     from lmcache.inprocess.v1.pin_monitor import PinMonitor
     from lmcache.inprocess.v1.token_database import ChunkedTokenDatabase
+    from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn
     from lmcache.v1.distributed.l2_adapters.raw_block.key_codec import (
         object_key_to_string,
     )

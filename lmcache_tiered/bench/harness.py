@@ -111,11 +111,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from lmcache.utils import (
-    CacheEngineKey,
-    mock_up_broadcast_fn,
-    mock_up_broadcast_object_fn,
-)
+from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
@@ -131,6 +127,8 @@ from lmcache_tiered._lmcache import (
     PinMonitor,
     StorageManager,
     engine_instances,
+    mock_up_broadcast_fn,
+    mock_up_broadcast_object_fn,
 )
 
 __all__ = [
