@@ -13,8 +13,8 @@ Everything else lives here, each with the reason we need it. LMCache 0.5.7
 moved the in-process engine under ``lmcache.inprocess.v1`` ("Deprecated
 in-process LMCache implementation") with no shims at the 0.5.6 paths: each
 moved name is imported from the 0.5.7 path first, then the 0.5.6 one. Private
-attributes are read here only, so a release that renames one breaks one
-function with a clear error, not a caller in the middle of serving.
+attributes are read here only, so a release that renames one fails here, with
+an error naming the field, the installed release and the range we support.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ __all__ = [
     "mock_up_broadcast_object_fn",
     "object_key_to_string",
     "seed_l2_usage",
-    "unsupported",
     "watch_first_pin",
 ]
 
@@ -60,7 +59,7 @@ def _moved(exc: ModuleNotFoundError, package: str) -> bool:
     return bool(name) and (package == name or package.startswith(name + "."))
 
 
-def unsupported(what: str) -> ImportError:
+def _unsupported(what: str) -> ImportError:
     """The error for an LMCache release whose layout we do not know."""
     try:
         version = importlib.metadata.version("lmcache")
@@ -68,9 +67,12 @@ def unsupported(what: str) -> ImportError:
         version = "not installed"
     try:
         wanted = next(
-            r
-            for r in importlib.metadata.requires("lmcache-tiered") or []
-            if r.startswith("lmcache")
+            (
+                r
+                for r in importlib.metadata.requires("lmcache-tiered") or []
+                if r.startswith("lmcache")
+            ),
+            "see pyproject.toml",
         )
     except importlib.metadata.PackageNotFoundError:
         wanted = "see pyproject.toml"
@@ -155,7 +157,7 @@ def _first_module(paths: tuple[str, ...]) -> ModuleType:
         except ModuleNotFoundError as exc:
             if not _moved(exc, path):
                 raise
-    raise unsupported(paths[0])
+    raise _unsupported(paths[0])
 
 
 def __getattr__(name: str) -> Any:
@@ -174,7 +176,7 @@ def engine_instances() -> dict[str, Any]:
     builder = __getattr__("LMCacheEngineBuilder")
     instances = getattr(builder, "_instances", None)
     if not isinstance(instances, dict):
-        raise unsupported("LMCacheEngineBuilder._instances")
+        raise _unsupported("LMCacheEngineBuilder._instances")
     return instances
 
 
@@ -239,13 +241,13 @@ def seed_l2_usage(adapter: Any, salts: Sequence[str], charge: int) -> None:
     try:
         lock = adapter._usage_lock
     except AttributeError:
-        raise unsupported("L2AdapterInterface._usage_lock") from None
+        raise _unsupported("L2AdapterInterface._usage_lock") from None
     with lock:
         try:
             by_salt: dict[str, int] = adapter._bytes_by_cache_salt
             adapter._total_bytes_used += charge * len(salts)
         except AttributeError as exc:
-            raise unsupported(f"L2AdapterInterface.{exc.name}") from None
+            raise _unsupported(f"L2AdapterInterface.{exc.name}") from None
         for salt in salts:
             by_salt[salt] = by_salt.get(salt, 0) + charge
 
