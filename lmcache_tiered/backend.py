@@ -35,8 +35,8 @@ from lmcache.v1.storage_backend.abstract_backend import (
     StoragePluginInterface,
 )
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
-from lmcache.v1.token_database import ChunkedTokenDatabase
 
+from lmcache_tiered._lmcache import ChunkedTokenDatabase, cpu_pool_buffer
 from lmcache_tiered.cache import PutCallback, TieredCache
 from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.metrics import WarmupStats, collector
@@ -63,8 +63,8 @@ def pinned_pool(hot: LocalCPUBackend) -> tuple[int, int] | None:
     """(address, bytes) of LMCache's CPU pool if it is page-locked memory (as
     on GPU hosts), else None. Registering a pageable pool as io_uring fixed
     buffers would commit all of it at start-up; a pinned one already is."""
-    buffer = getattr(getattr(hot, "memory_allocator", None), "buffer", None)
-    if not isinstance(buffer, torch.Tensor) or not buffer.numel():
+    buffer = cpu_pool_buffer(hot)
+    if buffer is None or not buffer.numel():
         return None
     if buffer.device.type != "cpu" or not buffer.is_pinned():
         return None

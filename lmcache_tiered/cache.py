@@ -29,7 +29,6 @@ tier and puts go to the tiers that work.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -45,6 +44,7 @@ from typing import Any
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
+from lmcache_tiered._lmcache import cpu_pool_bytes
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey, key_digest
@@ -208,7 +208,8 @@ class TieredCache:
             hot=hot,
             bandwidth_bytes_s=settings.warmup_bandwidth_bytes_s,
             hot_budget_bytes=int(
-                settings.warmup_hot_fraction * (0 if hot is None else _hot_bytes(hot))
+                settings.warmup_hot_fraction
+                * (0 if hot is None else cpu_pool_bytes(hot))
             ),
             tick_s=settings.warmup_tick_s,
             min_precision=settings.warmup_min_precision,
@@ -720,10 +721,3 @@ class TieredCache:
         self.shared.close()
         for tier in self.tiers.values():
             tier.close()
-
-
-def _hot_bytes(hot: LocalCPUBackend) -> int:
-    """Capacity of LMCache's CPU tier in bytes (0 if it cannot be told)."""
-    with contextlib.suppress(AttributeError, TypeError):
-        return int(hot.memory_allocator.size)
-    return 0

@@ -25,7 +25,7 @@ def key_text(key: StoreKey) -> str:
     """The key's canonical, reversible text (what headers store).
 
     An ObjectKey is written as LMCache's raw-block adapter writes it
-    (``lmcache.v1.storage_backend.raw_block.key_codec.object_key_to_string``):
+    (``object_key_to_string`` of its ``raw_block.key_codec``):
     ``<quoted model>@0x<kv_rank:08x>@<group:x>@<chunk hash hex>[@<salt>]``.
     Its second field starts with ``0x``; a CacheEngineKey's (the world size)
     is decimal, so the two forms never collide.

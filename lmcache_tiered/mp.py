@@ -19,8 +19,9 @@ silently missing tier.
 The adapter runs on the same :class:`~lmcache_tiered.cache.TieredCache` as
 the in-process plugin: warm and cold tiers, write-back demotion (or
 write-through), the cold tier shared by several hosts, the warm-up policy and
-its promoter. This module only translates LMCache's L2 protocol (lmcache
-0.5.6, ``lmcache/v1/distributed/l2_adapters/base.py``) into cache calls:
+its promoter. This module only translates LMCache's L2 protocol
+(``lmcache/v1/distributed/l2_adapters/base.py``, lmcache 0.5.6 and 0.5.7)
+into cache calls:
 
 * Keys are ``ObjectKey``; the tiers store them under their canonical text
   (:func:`lmcache_tiered.keys.key_text`), so a restarted server serves them.
@@ -40,6 +41,11 @@ its promoter. This module only translates LMCache's L2 protocol (lmcache
   signal, one call per row of keys (model, kv rank, object group, salt:
   one prefix chain), and stores teach it the chains; there is no LMCache
   CPU tier below the adapter, so promotions go to warm.
+* Touches (lmcache 0.5.7: the prefixes LMCache's L1 already holds, at each
+  lookup and at each request's end) are lookups without pins, queued on the
+  lookup thread: they keep those chunks recent in our tiers and reach the
+  warm-up policy, so a prefix served from L1 is neither evicted from warm
+  nor unknown to the policy when L1 drops it.
 * LMCache's listeners and usage counters see a chunk as stored while some
   tier of ours holds it: a demotion to cold is no deletion, a chunk that
   leaves its last tier (eviction, bad record, ``delete``) is one. Each chunk
@@ -80,6 +86,7 @@ from lmcache.v1.memory_management import (
 )
 from lmcache.v1.platform import create_event_notifier
 
+from lmcache_tiered._lmcache import l2_memory_tags, seed_l2_usage
 from lmcache_tiered.cache import EmptyView, TieredCache, load_configured_policy
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.keys import StoreKey, key_digest
@@ -177,6 +184,15 @@ class _Unlock:
     keys: list[ObjectKey]
 
 
+@dataclass(slots=True)
+class _Touch:
+    """A touch: a lookup without pins, no task id, no result."""
+
+    keys: list[ObjectKey]
+
+
+#: what the lookup thread runs, in the order submitted
+_LookupJob = _Task | _Unlock | _Touch
 _Job = TypeVar("_Job")
 
 
@@ -285,14 +301,15 @@ class TieredL2Adapter(L2AdapterInterface):
         self._stores_worker = _Worker[_Task](
             "lmcache-tiered-l2-store", self._run_stores
         )
-        self._lookups_worker = _Worker[_Task | _Unlock](
+        self._lookups_worker = _Worker[_LookupJob](
             "lmcache-tiered-l2-lookup", self._run_lookups
         )
         self._loads_worker = _Worker[_Task]("lmcache-tiered-l2-load", self._run_loads)
         if settings.hint_port >= 0:
             logger.warning(
                 "lmcache_tiered: warmup.hint_port is ignored by TieredL2Adapter: "
-                "LMCache's server sends no arrival hints; lookups drive warm-up"
+                "LMCache's server sends no arrival hints; lookups and touches "
+                "drive warm-up (a router can POST the server's /cache/prefetches)"
             )
         logger.info(
             "lmcache_tiered: TieredL2Adapter ready: %s; warm-up policy %s",
@@ -328,13 +345,10 @@ class TieredL2Adapter(L2AdapterInterface):
             cache.register_memory(desc.ptr, desc.stable_registration_size)
         self._charge = charge = cache.warm.geometry.slot_disk_bytes
         recovered = [k for k in cache.stored_keys() if isinstance(k, ObjectKey)]
-        # seeded quietly, as LMCache's raw-block adapter does
-        with self._in_l2_lock, self._usage_lock:
-            salts = self._bytes_by_cache_salt
+        with self._in_l2_lock:
             for key in recovered:
                 self._in_l2[key_digest(key)] = key
-                self._total_bytes_used += charge
-                salts[key.cache_salt] = salts.get(key.cache_salt, 0) + charge
+            seed_l2_usage(self, [key.cache_salt for key in recovered], charge)
         cache.on_change = lambda keys: self._reconcile(cache, keys)
         self.cache = cache
 
@@ -364,6 +378,19 @@ class TieredL2Adapter(L2AdapterInterface):
             if deleted:
                 self._notify_keys_deleted(deleted, [self._charge] * len(deleted))
 
+    def get_memory_tags(self) -> Any:
+        """What LMCache's prefetch controller filters L2 adapters by
+        (lmcache 0.5.7, ``lmcache/v1/distributed/api.py``: one tag pair per
+        adapter, compared for equality): ``STORAGE`` always (NVMe, neither
+        host memory nor GPUDirect); ``LOCAL`` with a warm tier only, ``REMOTE``
+        once a cold tier is set. A cold tier is by design off this host or
+        shared with other hosts (NVMe-oF, a shared file system, read by every
+        host that names it), which the API defines as ``REMOTE``, and its hits
+        are served through this same adapter: a caller that admits ``LOCAL``
+        only must not get them. It does lose the warm hits then, as it would
+        with LMCache's own fs and raw-block adapters when ``shared``."""
+        return l2_memory_tags(remote=self.settings.cold is not None)
+
     # ------------------------------------------------------------- event fds
 
     def get_store_event_fd(self) -> int:
@@ -379,7 +406,7 @@ class TieredL2Adapter(L2AdapterInterface):
 
     def _submit(
         self,
-        worker: _Worker[_Task] | _Worker[_Task | _Unlock],
+        worker: _Worker[_Task] | _Worker[_LookupJob],
         keys: list[ObjectKey],
         objects: list[MemoryObj],
     ) -> L2TaskId:
@@ -420,6 +447,16 @@ class TieredL2Adapter(L2AdapterInterface):
         with self._lock:
             if not self._closed:
                 self._lookups_worker.put(_Unlock(list(keys)))
+
+    def submit_touch(self, keys: list[ObjectKey]) -> None:
+        """Refresh ``keys`` (held by LMCache's L1, some maybe by us too) for
+        eviction, ours and LMCache's, without I/O. LMCache calls this on its
+        lookup path: listeners hear of it here, as the base class does; our
+        tiers and the warm-up policy on the lookup thread."""
+        self._notify_keys_accessed(keys)
+        with self._lock:
+            if not self._closed:
+                self._lookups_worker.put(_Touch(list(keys)))
 
     def submit_load_task(
         self, keys: list[ObjectKey], objects: list[MemoryObj]
@@ -496,8 +533,9 @@ class TieredL2Adapter(L2AdapterInterface):
 
     # --------------------------------------------------------------- lookups
 
-    def _run_lookups(self, jobs: list[_Task | _Unlock]) -> None:
-        """Lookups and unlocks in the order submitted: pins are in memory."""
+    def _run_lookups(self, jobs: list[_LookupJob]) -> None:
+        """Lookups, unlocks and touches in the order submitted: pins are in
+        memory."""
         found: dict[L2TaskId, Bitmap] = {}
         for job in jobs:
             cache = self.cache
@@ -508,20 +546,23 @@ class TieredL2Adapter(L2AdapterInterface):
                 continue
             bitmap = Bitmap(len(job.keys))
             if cache is not None:
-                self._lookup(cache, job.keys, bitmap)
-            found[job.task_id] = bitmap
+                self._lookup(cache, job.keys, bitmap, pin=isinstance(job, _Task))
+            if isinstance(job, _Task):
+                found[job.task_id] = bitmap
         if found:
             with self._lock:
                 self._lookups.update(found)
             self._lookup_efd.notify()
 
     @staticmethod
-    def _lookup(cache: TieredCache, keys: list[ObjectKey], bitmap: Bitmap) -> None:
-        """Look up and pin ``keys`` row by row (each row a chain the policy
+    def _lookup(
+        cache: TieredCache, keys: list[ObjectKey], bitmap: Bitmap, pin: bool
+    ) -> None:
+        """Look up (and pin) ``keys`` row by row (each row a chain the policy
         sees); a failure is logged and the rest count as misses."""
         try:
             for row in _rows(keys):
-                held = cache.lookup(keys[row.start : row.stop], pin=True)
+                held = cache.lookup(keys[row.start : row.stop], pin=pin)
                 for i, hit in zip(row, held, strict=True):
                     if hit:
                         bitmap.set(i)
@@ -642,7 +683,7 @@ class TieredL2Adapter(L2AdapterInterface):
             "warmup": counters.get("warmup"),
         }
 
-    def _all_workers(self) -> list[_Worker[_Task] | _Worker[_Task | _Unlock]]:
+    def _all_workers(self) -> list[_Worker[_Task] | _Worker[_LookupJob]]:
         return [self._stores_worker, self._lookups_worker, self._loads_worker]
 
     def close(self) -> None:

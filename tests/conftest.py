@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import settings
-from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 
+from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
 from lmcache_tiered.cache import TieredCache

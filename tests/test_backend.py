@@ -167,7 +167,6 @@ RESTART_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from lmcache_tiered.bench import harness
-from lmcache_tiered.io import probe
     paths, mode = sys.argv[1].split(","), sys.argv[2]
     extra = {
         "storage_plugin.tiered.module_path": "lmcache_tiered.backend",

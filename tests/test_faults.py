@@ -34,11 +34,11 @@ from conftest import cache_of, plugin_extra_config, random_kv, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered import layout
 from lmcache_tiered import tier as tier_module
+from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.bench import harness
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import SETTINGS, ConfigError, TieredConfig

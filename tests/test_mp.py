@@ -58,8 +58,8 @@ from lmcache.v1.memory_management import (
     TensorMemoryObj,
 )
 from lmcache.v1.platform import consume_fd
-from lmcache.v1.storage_backend.raw_block.key_codec import object_key_to_string
 
+from lmcache_tiered._lmcache import object_key_to_string
 from lmcache_tiered.bench.mpbench import mp_read_gbps
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
@@ -298,6 +298,31 @@ def prefetch(manager: StorageManager, keys: list[ObjectKey]) -> dict[ObjectKey, 
     return data
 
 
+def write_through_l1(
+    manager: StorageManager, keys: list[ObjectKey]
+) -> dict[ObjectKey, bytes]:
+    """Write ``keys`` into L1 (random bytes), wait until the store controller
+    has put them in our adapter, then drop them from L1; their bytes."""
+    adapter = adapter_of(manager)
+    objs = manager.reserve_write(keys, LAYOUT)
+    gen = torch.Generator().manual_seed(1)
+    for obj in objs.values():
+        obj.raw_data[: obj.get_size()].copy_(
+            torch.randint(0, 256, (obj.get_size(),), dtype=torch.uint8, generator=gen)
+        )
+    want = {k: bytes(o.byte_array) for k, o in objs.items()}
+    manager.finish_write(keys)
+    # the store controller releases its L1 read locks once we report
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    deleted = 0
+    while deleted < len(keys):
+        assert time.monotonic() < deadline, "store never reached the adapter"
+        time.sleep(0.02)
+        if adapter.tiers and len(adapter.tiers[0]) == len(keys):
+            deleted += manager.delete_l1_keys(keys)[0]
+    return want
+
+
 @pytest.mark.parametrize("io_engine", ENGINES)
 def test_storage_manager_round_trip_and_restart(
     device_dirs: list[Path], io_engine: str
@@ -309,24 +334,7 @@ def test_storage_manager_round_trip_and_restart(
     try:
         adapter = adapter_of(manager)
         assert adapter.tiers == []  # slot size unknown until the first store
-        objs = manager.reserve_write(keys, LAYOUT)
-        gen = torch.Generator().manual_seed(1)
-        for obj in objs.values():
-            obj.raw_data[: obj.get_size()].copy_(
-                torch.randint(
-                    0, 256, (obj.get_size(),), dtype=torch.uint8, generator=gen
-                )
-            )
-        want = {k: bytes(o.byte_array) for k, o in objs.items()}
-        manager.finish_write(keys)
-        # the store controller releases its L1 read locks once we report
-        deadline = time.monotonic() + TIMEOUT_MS / 1000
-        deleted = 0
-        while deleted < len(keys):
-            assert time.monotonic() < deadline, "store never reached the adapter"
-            time.sleep(0.02)
-            if adapter.tiers and len(adapter.tiers[0]) == len(keys):
-                deleted += manager.delete_l1_keys(keys)[0]
+        want = write_through_l1(manager, keys)
         assert adapter.tiers[0].engine.name == io_engine
         assert prefetch(manager, keys) == want
     finally:
@@ -334,6 +342,60 @@ def test_storage_manager_round_trip_and_restart(
     manager = storage_manager(device_dirs, io_engine=io_engine)  # no slot_mb
     try:
         assert len(adapter_of(manager).tiers[0]) == len(keys)
+        assert prefetch(manager, keys) == want
+    finally:
+        manager.close()
+
+
+@pytest.mark.skipif(
+    not hasattr(StorageManager, "touch_cached_keys"),
+    reason="lmcache 0.5.6 has no memory tags and sends no touches",
+)
+def test_storage_manager_filters_by_our_tags_and_touches_us(
+    device_dirs: list[Path], cold_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lmcache 0.5.7: a prefetch that admits only local L2 media skips us once
+    a cold tier is set; one that admits remote loads from us; the server's
+    touch of L1-held keys reaches our tiers as a lookup without pins."""
+    from lmcache.v1.distributed.api import (
+        MemoryResidency,
+        MemorySegment,
+        MemoryTags,
+    )
+
+    keys = [okey(i) for i in range(3)]
+    manager = storage_manager(device_dirs, **{"cold.paths": [str(cold_dir)]})
+    try:
+        want = write_through_l1(manager, keys)
+
+        def hits(residency: MemoryResidency) -> int:
+            allowed = frozenset({MemoryTags(MemorySegment.STORAGE, residency)})
+            handle = manager.submit_prefetch_task(
+                PrefetchTaskSpec(
+                    [GroupedObjectKeys(keys, 0, LAYOUT)],
+                    allowed_l2_memory_tags=allowed,
+                )
+            )
+            assert manager.wait_prefetch_status(handle, TIMEOUT_MS / 1000)
+            result = manager.query_prefetch_status(handle)
+            assert result is not None
+            if result.l2_hit_count:
+                manager.finish_read_prefetched(keys, l1_owners=result.l1_owners)
+            return int(result.l2_hit_count)
+
+        assert hits(MemoryResidency.LOCAL) == 0
+        assert hits(MemoryResidency.REMOTE) == len(keys)
+        cache = adapter_cache(adapter_of(manager))
+        seen: list[tuple[list[ObjectKey], bool]] = []
+        lookup = cache.lookup
+
+        def spy(row: list[ObjectKey], pin: bool = False, **kw: Any) -> list[bool]:
+            seen.append((list(row), pin))
+            return lookup(row, pin, **kw)
+
+        monkeypatch.setattr(cache, "lookup", spy)
+        manager.touch_cached_keys(keys)
+        wait_until(lambda: (keys, False) in seen)
         assert prefetch(manager, keys) == want
     finally:
         manager.close()
@@ -745,6 +807,91 @@ def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
         assert torch.equal(obj.tensor, memory_obj(seed=i).tensor)
     assert recorder.deleted == []
     adapter.submit_unlock(first[:1])
+
+
+def test_touch_keeps_chunks_recent_without_locking_them(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    """A touch (0.5.7: LMCache's L1 holds these) refreshes recency in our
+    tiers, so the next store evicts the untouched chunks; it locks nothing,
+    and listeners hear of it at once, as from LMCache's base class."""
+    adapter = adapter_factory(**{"warm.capacity_gb": slots(4)})
+    recorder = Recorder()
+    adapter.register_listener(recorder)
+    caller = Caller(adapter)
+    first = [okey(i) for i in range(4)]
+    assert caller.store(first, [memory_obj(seed=i) for i in range(4)])
+    adapter.submit_touch(first[:2])
+    assert recorder.accessed == first[:2]
+    assert caller.lookup([]) == []  # the touch ran before this lookup
+    assert caller.store([okey(10), okey(11)], [memory_obj(), memory_obj()])
+    cache = adapter_cache(adapter)
+    assert [cache.tier_of(k) for k in first] == ["warm", "warm", None, None]
+    assert not any(cache.unpin(k) for k in first[:2])  # nothing was locked
+
+
+def test_touch_never_waits_for_the_lookup_thread(
+    adapter_factory: Callable[..., TieredL2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LMCache calls submit_touch on its lookup path: it only queues, even
+    while a lookup holds the adapter's lookup thread."""
+    adapter = adapter_factory()
+    caller = Caller(adapter)
+    assert caller.store([okey(0)], [memory_obj()])
+    cache = adapter_cache(adapter)
+    release, entered = threading.Event(), threading.Event()
+    lookup = cache.lookup
+
+    def slow_lookup(*args: Any, **kwargs: Any) -> list[bool]:
+        entered.set()
+        assert release.wait(TIMEOUT_MS / 1000)
+        return lookup(*args, **kwargs)
+
+    monkeypatch.setattr(cache, "lookup", slow_lookup)
+    task = adapter.submit_lookup_and_lock_task([okey(0)], {0: LAYOUT})
+    assert entered.wait(TIMEOUT_MS / 1000)
+    start = time.monotonic()
+    adapter.submit_touch([okey(0)])
+    assert time.monotonic() - start < 0.5
+    release.set()
+    assert caller._result(
+        adapter.get_lookup_and_lock_event_fd(),
+        lambda: adapter.query_lookup_and_lock_result(task),
+    ) == [0]
+    adapter.submit_unlock([okey(0)])
+
+
+def test_touch_feeds_the_warmup_policy(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    """A touch of chain A's head (in cold) reaches lookahead as a lookup
+    does: A is promoted to warm; nothing stays locked."""
+    adapter = adapter_factory(
+        **{
+            "warm.capacity_gb": slots(4),
+            "cold.paths": [str(cold_dir)],
+            "warmup.policy": "lookahead",
+            "warmup.lookahead.promote_found": True,
+        }
+    )
+    first, _ = store_two_chains(adapter)
+    cache = adapter_cache(adapter)
+    adapter.submit_touch(first[:1])
+    wait_until(lambda: all(cache.tier_of(k) == "warm" for k in first))
+    assert cache.promoter.stats.bytes_promoted_warm == 4 * CHUNK
+    assert not any(cache.unpin(k) for k in first)
+
+
+def test_memory_tags_say_storage_local_or_remote_with_a_cold_tier(
+    adapter_factory: Callable[..., TieredL2Adapter], cold_dir: Path
+) -> None:
+    first = adapter_factory()
+    warm_only = first.get_memory_tags()
+    assert (warm_only.segment, warm_only.residency) == ("storage", "local")
+    first.close()  # the next one opens the same directories
+    tiered = adapter_factory(**{"cold.paths": [str(cold_dir)]}).get_memory_tags()
+    assert (tiered.segment, tiered.residency) == ("storage", "remote")
 
 
 def test_no_warmup_policy_leaves_cold_chunks_in_cold(

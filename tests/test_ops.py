@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import plugin_extra_config, random_kv
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
+from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness
 from lmcache_tiered.cli import main

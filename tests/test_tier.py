@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import ENGINES, payload_offset, random_kv
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
+from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.layout import RecordHeader
 from lmcache_tiered.tier import Payload, Tier
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench import harness
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
 
@@ -90,6 +91,7 @@ def contenders(
     ]
     try:
         __import__(RUST_MODULE)
+        __import__(RUST_RAW_BLOCK_EXTENSION)
     except ImportError:
         logger.warning("RustRawBlockBackend is not installed: its column is null")
     else:

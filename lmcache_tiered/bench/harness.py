@@ -1,4 +1,4 @@
-"""A real LMCache engine on CPU, for tests and benchmarks (lmcache 0.5.6).
+"""A real LMCache engine on CPU, for tests and benchmarks (lmcache 0.5.6, 0.5.7).
 
 Usage::
 
@@ -10,7 +10,9 @@ Usage::
         clear_cpu_tier(engine)                # next read must come from disk
         out, hit = retrieve_tokens(engine, tokens)
 
-Facts this module relies on (paths under ``site-packages/lmcache/``):
+Facts this module relies on (paths under ``site-packages/lmcache/`` in 0.5.6;
+0.5.7 moved the engine's modules, ``v1/cache_engine.py`` and the rest, under
+``inprocess/v1/`` unchanged, see :mod:`lmcache_tiered._lmcache`):
 
 Connector. ``EngineType.MOCK`` builds ``MockGPUConnector``
 (``v1/gpu_connector/__init__.py:258``, ``mock_gpu_connector.py:31-46``) whose
@@ -109,21 +111,25 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from lmcache.utils import (
-    CacheEngineKey,
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+from lmcache_tiered._lmcache import (
+    EventStatus,
+    EventType,
+    GPUConnectorInterface,
+    LMCacheEngine,
+    LMCacheEngineBuilder,
+    PinMonitor,
+    StorageManager,
+    engine_instances,
     mock_up_broadcast_fn,
     mock_up_broadcast_object_fn,
 )
-from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.event_manager import EventStatus, EventType
-from lmcache.v1.gpu_connector import GPUConnectorInterface
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
-from lmcache.v1.metadata import LMCacheMetadata
-from lmcache.v1.pin_monitor import PinMonitor
-from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
-from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 __all__ = [
     "CPU_TIER",
@@ -401,14 +407,10 @@ def destroy_engine(engine_or_id: LMCacheEngine | str) -> None:
         instance_id = engine_or_id
     else:
         instance_id = next(
-            (
-                k
-                for k, v in LMCacheEngineBuilder._instances.items()
-                if v is engine_or_id
-            ),
+            (k for k, v in engine_instances().items() if v is engine_or_id),
             "",
         )
-    engine = LMCacheEngineBuilder._instances.get(instance_id)
+    engine = engine_instances().get(instance_id)
     if engine is not None:
         manager = engine.storage_manager
         if manager is not None and CPU_TIER in manager.storage_backends:
@@ -419,7 +421,7 @@ def destroy_engine(engine_or_id: LMCacheEngine | str) -> None:
         LMCacheEngineBuilder.destroy(instance_id)
         if manager is not None:
             _close_loop(manager)
-    if not LMCacheEngineBuilder._instances:
+    if not engine_instances():
         PinMonitor.DestroyInstance()
 
 
@@ -442,7 +444,7 @@ def _close_loop(manager: StorageManager) -> None:
 
 def destroy_all_engines() -> None:
     """Destroy every engine the builder knows (e.g. in a session fixture)."""
-    for instance_id in list(LMCacheEngineBuilder._instances):
+    for instance_id in list(engine_instances()):
         destroy_engine(instance_id)
     PinMonitor.DestroyInstance()
 

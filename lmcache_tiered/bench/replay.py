@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lmcache.v1.cache_engine import LMCacheEngine
 from lmcache.v1.config import LMCacheEngineConfig
 
+from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness, report, trace
 from lmcache_tiered.bench.profiles import (

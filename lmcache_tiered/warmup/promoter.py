@@ -40,9 +40,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
+from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
+from lmcache_tiered._lmcache import watch_first_pin
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
 from lmcache_tiered.tier import Payload, Tier
@@ -64,21 +65,6 @@ GUARD_WINDOW = 256
 GUARD_MIN = 64
 #: while the guard holds a policy back, one unit in this many still runs
 GUARD_PROBE_EVERY = 8
-
-
-class _PromotedObj(TensorMemoryObj):
-    """A chunk the promoter put in the hot tier. LMCache pins a hot chunk when
-    a lookup finds it, so the first pin after the promoter's own tells the
-    promoter it was used."""
-
-    on_first_pin: Callable[[], None] | None
-
-    def pin(self) -> bool:
-        pinned = super().pin()  # first, so the chunk is never left unpinned
-        callback, self.on_first_pin = self.on_first_pin, None
-        if callback is not None:
-            callback()
-        return pinned
 
 
 @dataclass(slots=True)
@@ -403,10 +389,9 @@ class Promoter:
         """Pin a promotion; its first lookup pin marks it used."""
         digest = key_digest(key)
         obj.pin()  # before the hot tier sees it: its LRU must not take it
-        if type(obj) is TensorMemoryObj:
-            obj.__class__ = _PromotedObj
-            assert isinstance(obj, _PromotedObj)
-            obj.on_first_pin = lambda: self._used(digest)
+        # LMCache pins a hot chunk when a lookup finds it: the first pin after
+        # ours says the promotion was used
+        watch_first_pin(obj, lambda: self._used(digest))
         with self._cond:
             self._promoted[digest] = _Promotion(key, obj, obj.get_size(), deadline)
 

@@ -1,0 +1,281 @@
+"""Every reach into LMCache beyond its plugin contracts, for lmcache 0.5.6
+and 0.5.7, in one place.
+
+The contracts are imported where they are used: the in-process plugin's
+(``StoragePluginInterface`` and the types in its signatures: ``CacheEngineKey``,
+``MemoryObj`` and its metadata, ``LMCacheEngineConfig``, ``LMCacheMetadata``,
+``LocalCPUBackend``) and the multi-process L2 adapter's
+(``L2AdapterInterface``, ``lmcache.v1.distributed.api``/``internal_api``,
+``Bitmap``, ``create_event_notifier``). They sit at the same paths in both
+versions.
+
+Everything else lives here, each with the reason we need it. LMCache 0.5.7
+moved the in-process engine under ``lmcache.inprocess.v1`` ("Deprecated
+in-process LMCache implementation") with no shims at the 0.5.6 paths: each
+moved name is imported from the 0.5.7 path first, then the 0.5.6 one. Private
+attributes are read here only, so a release that renames one fails here, with
+an error naming the field, the installed release and the range we support.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lmcache.v1.memory_management import TensorMemoryObj
+
+__all__ = [
+    "ChunkedTokenDatabase",
+    "EventStatus",
+    "EventType",
+    "GPUConnectorInterface",
+    "LMCacheEngine",
+    "LMCacheEngineBuilder",
+    "MixedMemoryAllocator",
+    "PinMonitor",
+    "RUST_RAW_BLOCK_EXTENSION",
+    "StorageManager",
+    "cpu_pool_buffer",
+    "cpu_pool_bytes",
+    "engine_instances",
+    "l2_memory_tags",
+    "mock_up_broadcast_fn",
+    "mock_up_broadcast_object_fn",
+    "object_key_to_string",
+    "seed_l2_usage",
+    "watch_first_pin",
+]
+
+
+def _moved(exc: ModuleNotFoundError, package: str) -> bool:
+    """True when ``exc`` says ``package`` itself is absent (the other
+    version's layout), not a module it imports."""
+    name = exc.name or ""
+    return bool(name) and (package == name or package.startswith(name + "."))
+
+
+def _unsupported(what: str) -> ImportError:
+    """The error for an LMCache release whose layout we do not know."""
+    try:
+        version = importlib.metadata.version("lmcache")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    try:
+        wanted = next(
+            (
+                r
+                for r in importlib.metadata.requires("lmcache-tiered") or []
+                if r.startswith("lmcache")
+            ),
+            "see pyproject.toml",
+        )
+    except importlib.metadata.PackageNotFoundError:
+        wanted = "see pyproject.toml"
+    return ImportError(
+        f"lmcache_tiered: {what} not found in lmcache {version}; "
+        f"install a supported release ({wanted})"
+    )
+
+
+# ------------------------------------------------------ imported on first use
+# name: the modules that define it, the 0.5.7 layout first. Imported when
+# first asked for, so the multi-process server, which loads this module with
+# the adapter, never loads the deprecated in-process engine nor what it pulls
+# in (transformers: seconds of start-up).
+_LAZY: dict[str, tuple[str, ...]] = {
+    # the harness (tests, benchmarks) drives a real in-process engine on CPU,
+    # through a connector of its own, and waits on its load events
+    "LMCacheEngine": ("lmcache.inprocess.v1.cache_engine", "lmcache.v1.cache_engine"),
+    "LMCacheEngineBuilder": (
+        "lmcache.inprocess.v1.cache_engine",
+        "lmcache.v1.cache_engine",
+    ),
+    "EventStatus": ("lmcache.inprocess.v1.event_manager", "lmcache.v1.event_manager"),
+    "EventType": ("lmcache.inprocess.v1.event_manager", "lmcache.v1.event_manager"),
+    "GPUConnectorInterface": (
+        "lmcache.inprocess.v1.gpu_connector.gpu_connectors",
+        "lmcache.v1.gpu_connector.gpu_connectors",
+    ),
+    # no-op collectives the builder needs for one engine outside vLLM
+    "mock_up_broadcast_fn": ("lmcache.utils",),
+    "mock_up_broadcast_object_fn": ("lmcache.utils",),
+    # a singleton thread the harness stops after the last engine
+    "PinMonitor": ("lmcache.inprocess.v1.pin_monitor", "lmcache.v1.pin_monitor"),
+    # the backend maps hint tokens to chunk keys with LMCache's own token
+    # database, so a hint names exactly the keys the engine stores
+    "ChunkedTokenDatabase": (
+        "lmcache.inprocess.v1.token_database",
+        "lmcache.v1.token_database",
+    ),
+    # did not move: the harness reads the tiers' dict, loop and thread off the
+    # engine's StorageManager; tests build CPU pools as LocalCPUBackend does
+    "StorageManager": ("lmcache.v1.storage_backend.storage_manager",),
+    "MixedMemoryAllocator": ("lmcache.v1.memory_allocators.mixed_memory_allocator",),
+    # LMCache's raw-block adapter names an ObjectKey by this text; the tests
+    # hold our key text to it, so a chunk keeps its name across the two stores
+    "object_key_to_string": (
+        "lmcache.v1.distributed.l2_adapters.raw_block.key_codec",
+        "lmcache.v1.storage_backend.raw_block.key_codec",
+    ),
+}
+
+if TYPE_CHECKING:  # lmcache ships no types: all of these are Any to mypy
+    from lmcache.inprocess.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+    from lmcache.inprocess.v1.event_manager import EventStatus, EventType
+    from lmcache.inprocess.v1.gpu_connector.gpu_connectors import (
+        GPUConnectorInterface,
+    )
+    from lmcache.inprocess.v1.pin_monitor import PinMonitor
+    from lmcache.inprocess.v1.token_database import ChunkedTokenDatabase
+    from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn
+    from lmcache.v1.distributed.l2_adapters.raw_block.key_codec import (
+        object_key_to_string,
+    )
+    from lmcache.v1.memory_allocators.mixed_memory_allocator import (
+        MixedMemoryAllocator,
+    )
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+
+#: the native extension LMCache's RustRawBlockBackend opens at its first I/O,
+#: not at import (``pip install --pre lmcache-rust-raw-block-io``): diskbench
+#: must check for it too, or the backend fails once the engine builds it
+RUST_RAW_BLOCK_EXTENSION = "lmcache_rust_raw_block_io"
+
+
+def _first_module(paths: tuple[str, ...]) -> ModuleType:
+    """The first of ``paths`` this LMCache has; an error naming the release
+    when none (a missing module they import is raised as it is)."""
+    for path in paths:
+        try:
+            return importlib.import_module(path)
+        except ModuleNotFoundError as exc:
+            if not _moved(exc, path):
+                raise
+    raise _unsupported(paths[0])
+
+
+def __getattr__(name: str) -> Any:
+    paths = _LAZY.get(name)
+    if paths is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_first_module(paths), name)
+    globals()[name] = value
+    return value
+
+
+def engine_instances() -> dict[str, Any]:
+    """LMCache's engines by instance id (``LMCacheEngineBuilder._instances``):
+    the builder has no public listing, and the harness must destroy every
+    engine it built, or their non-daemon threads hang interpreter exit."""
+    builder = __getattr__("LMCacheEngineBuilder")
+    instances = getattr(builder, "_instances", None)
+    if not isinstance(instances, dict):
+        raise _unsupported("LMCacheEngineBuilder._instances")
+    return instances
+
+
+# ---------------------------------------------------------- the CPU tier
+
+
+def cpu_pool_buffer(hot: Any) -> torch.Tensor | None:
+    """The tensor behind LMCache's CPU tier (``memory_allocator.buffer``), or
+    None for an allocator without one (paged, lazy): registering it as
+    io_uring fixed buffers lets reads land in any of its MemoryObjs at ~1 %
+    CPU, and LMCache offers no other way to learn where the pool is."""
+    buffer = getattr(getattr(hot, "memory_allocator", None), "buffer", None)
+    return buffer if isinstance(buffer, torch.Tensor) else None
+
+
+def cpu_pool_bytes(hot: Any) -> int:
+    """Capacity of LMCache's CPU tier in bytes (``memory_allocator.size``; 0
+    if it cannot be told): the promoter's hot-tier budget. LocalCPUBackend
+    reports no capacity of its own."""
+    try:
+        return int(hot.memory_allocator.size)
+    except (AttributeError, TypeError):
+        return 0
+
+
+class _WatchedObj(TensorMemoryObj):
+    """A CPU-tier chunk whose first pin is reported: LMCache pins a hot chunk
+    when a lookup finds it and has no other signal that a chunk was used."""
+
+    on_first_pin: Callable[[], None] | None
+
+    def pin(self) -> bool:
+        pinned = super().pin()  # first, so the chunk is never left unpinned
+        callback, self.on_first_pin = self.on_first_pin, None
+        if callback is not None:
+            callback()
+        return pinned
+
+
+def watch_first_pin(obj: Any, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` on ``obj``'s next ``pin()``, by swapping its class
+    for a subclass (LocalCPUBackend keeps the object itself, so a wrapper
+    would never be pinned). False, and nothing done, for any object that is
+    not a plain ``TensorMemoryObj``."""
+    if type(obj) is not TensorMemoryObj:
+        return False
+    obj.__class__ = _WatchedObj
+    assert isinstance(obj, _WatchedObj)
+    obj.on_first_pin = callback
+    return True
+
+
+# ------------------------------------------------------ the L2 adapter base
+
+
+def seed_l2_usage(adapter: Any, salts: Sequence[str], charge: int) -> None:
+    """Count chunks recovered from disk in ``L2AdapterInterface``'s usage
+    (``_total_bytes_used``, ``_bytes_by_cache_salt`` under ``_usage_lock``),
+    ``charge`` bytes each, without telling listeners: they hear of them when
+    they register. LMCache's raw-block adapter seeds the same fields on
+    recovery; the base class has no public way to."""
+    try:
+        lock = adapter._usage_lock
+    except AttributeError:
+        raise _unsupported("L2AdapterInterface._usage_lock") from None
+    with lock:
+        try:
+            by_salt: dict[str, int] = adapter._bytes_by_cache_salt
+            adapter._total_bytes_used += charge * len(salts)
+        except AttributeError as exc:
+            raise _unsupported(f"L2AdapterInterface.{exc.name}") from None
+        for salt in salts:
+            by_salt[salt] = by_salt.get(salt, 0) + charge
+
+
+# ------------------------------------------------------------- memory tags
+# lmcache 0.5.7 asks every L2 adapter for the medium it stores on
+# (``L2AdapterInterface.get_memory_tags``); 0.5.6 has no such types and never
+# asks, so there the same answer is a plain pair of strings (LMCache's enums
+# are ``str`` enums with these values: either compares equal to the text).
+try:  # lmcache 0.5.7
+    from lmcache.v1.distributed.api import (
+        MemoryResidency,
+        MemorySegment,
+        MemoryTags,
+    )
+
+    def l2_memory_tags(remote: bool) -> Any:
+        """LMCache's tags for a storage medium, local or remote."""
+        residency = MemoryResidency.REMOTE if remote else MemoryResidency.LOCAL
+        return MemoryTags(MemorySegment.STORAGE, residency)
+
+except ImportError:  # lmcache 0.5.6
+
+    @dataclass(frozen=True)
+    class _MemoryTags:
+        segment: str
+        residency: str
+
+    def l2_memory_tags(remote: bool) -> Any:
+        """LMCache's tags for a storage medium, local or remote."""
+        return _MemoryTags("storage", "remote" if remote else "local")

@@ -1,0 +1,70 @@
+"""lmcache_tiered._lmcache: LMCache's moved and private names, on the
+installed release (CI runs this file on 0.5.6 and on 0.5.7rc2)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmcache_tiered import _lmcache
+
+
+def test_moved_names_come_from_the_installed_layout() -> None:
+    """0.5.7 moved the in-process engine under lmcache.inprocess.v1."""
+    release = importlib.metadata.version("lmcache")[:5].split(".")
+    new = tuple(int(p) for p in release) >= (0, 5, 7)
+    engine = "lmcache.inprocess.v1" if new else "lmcache.v1"
+    codec = (
+        "lmcache.v1.distributed.l2_adapters.raw_block"
+        if new
+        else "lmcache.v1.storage_backend.raw_block"
+    )
+    assert _lmcache.LMCacheEngine.__module__ == f"{engine}.cache_engine"
+    assert _lmcache.GPUConnectorInterface.__module__.startswith(f"{engine}.")
+    assert _lmcache.ChunkedTokenDatabase.__module__ == f"{engine}.token_database"
+    assert _lmcache.object_key_to_string.__module__ == f"{codec}.key_codec"
+    assert isinstance(_lmcache.engine_instances(), dict)
+    with pytest.raises(AttributeError, match="no attribute 'LMCacheEngin'"):
+        _lmcache.LMCacheEngin  # noqa: B018
+
+
+def test_an_unknown_layout_names_the_release_and_our_range() -> None:
+    with pytest.raises(ImportError) as info:
+        _lmcache._first_module(("lmcache.v9.cache_engine", "lmcache.v8.cache_engine"))
+    text = str(info.value)
+    installed = importlib.metadata.version("lmcache")
+    assert f"lmcache.v9.cache_engine not found in lmcache {installed}" in text
+    assert "install a supported release (lmcache" in text and "<0.5.8" in text
+
+
+def test_a_module_that_exists_but_misses_a_dependency_is_not_a_layout_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a missing module *at the path tried* moves on to the next path; a
+    dependency it lacks is raised as it is, not hidden by the fallback."""
+    package = tmp_path / "fake_lmcache_layout"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "engine.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError) as info:
+        _lmcache._first_module(("fake_lmcache_layout.engine", "lmcache.v1.x"))
+    assert info.value.name == "no_such_dependency_xyz"
+
+
+def test_the_mp_adapter_never_loads_the_in_process_engine() -> None:
+    """lmcache server imports our adapter: neither the deprecated engine nor
+    its token database (transformers) may come with it."""
+    code = (
+        "import sys, lmcache_tiered.mp;"
+        "print(sorted(m for m in sys.modules if m.endswith("
+        "('.cache_engine', '.token_database'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]"
