@@ -14,6 +14,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
+from lmcache_tiered import cli
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness, replay, report, trace
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
@@ -166,26 +167,29 @@ def test_link_model_delays_reads_and_writes_of_a_tier(
 # -------------------------------------------------------------------- replay
 
 
+def bench_argv(tmp_path: Path, trace_path: Path) -> list[str]:
+    """``bench`` on a tiny trace with tiny chunks, tiers under ``tmp_path``."""
+    for disk in ("warm", "cold"):
+        (tmp_path / disk).mkdir(exist_ok=True)
+    return [
+        "bench",
+        "--trace",
+        str(trace_path),
+        *SMALL,
+        "--warm",
+        str(tmp_path / "warm"),
+        "--cold",
+        str(tmp_path / "cold"),
+        "--concurrency",
+        "2",
+    ]
+
+
 def bench_args(tmp_path: Path, trace_path: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     replay.add_parser(parser.add_subparsers())
-    for disk in ("warm", "cold"):
-        (tmp_path / disk).mkdir(exist_ok=True)
-    return parser.parse_args(
-        [
-            "bench",
-            "--trace",
-            str(trace_path),
-            *SMALL,
-            "--warm",
-            str(tmp_path / "warm"),
-            "--cold",
-            str(tmp_path / "cold"),
-            "--concurrency",
-            "2",
-            *extra,
-        ]
-    )
+    argv = bench_argv(tmp_path, trace_path)
+    return parser.parse_args([*argv, "--plot", str(tmp_path / "bench.png"), *extra])
 
 
 def session_trace(tmp_path: Path) -> Path:
@@ -255,7 +259,7 @@ def test_baseline_gets_local_capacity_only_when_cold_is_remote(
     tmp_path: Path,
 ) -> None:
     trace_path = session_trace(tmp_path)
-    for extra, remote in (((), False), (("--cold-link", "2,1"), True)):
+    for extra, remote in ((("--cold-link", "none"), False), ((), True)):
         args = bench_args(
             tmp_path, trace_path, "--warm-gb", "1", "--cold-gb", "3", *extra
         )
@@ -296,12 +300,9 @@ def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     assert second.arrival >= first.finished + 50.0 / setup.clock
 
 
-def test_cli_writes_json_and_reports_missing_policy_and_plot(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+def test_cli_writes_json_and_reports_missing_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(report, "plot_available", lambda: False)
     out = tmp_path / "r.json"
     args = bench_args(
         tmp_path,
@@ -312,13 +313,13 @@ def test_cli_writes_json_and_reports_missing_policy_and_plot(
         "--json",
         str(out),
         "--plot",
-        str(tmp_path / "r.png"),
+        "none",
     )
     assert args.func(args) == 1  # a policy asked for did not run
     captured = capsys.readouterr()
-    assert "--plot needs matplotlib" in captured.err
     assert "no warm-up policy named 'no-such-policy'" in captured.out
-    assert not (tmp_path / "r.png").exists()
+    assert "picture:" not in captured.out
+    assert not list(tmp_path.glob("*.png"))
     document = json.loads(out.read_text())
     assert list(document["policies"]) == ["none"]
     assert "no-such-policy" in document["unavailable"]
@@ -337,6 +338,68 @@ def test_cli_writes_json_and_reports_missing_policy_and_plot(
     assert document["config"]["clock_factor"] == 1024
     # the variants' directories are gone
     assert not [*(tmp_path / "warm").iterdir(), *(tmp_path / "cold").iterdir()]
+
+
+def test_default_run_writes_the_picture_and_says_what_it_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's ``lmcache-tiered bench`` with defaults (here on a tiny
+    trace): the cold tier is remote, a PNG lands in the current directory,
+    and one line says what was compared and how it came out."""
+    monkeypatch.chdir(tmp_path)
+    argv = bench_argv(tmp_path, session_trace(tmp_path))
+    assert cli.main([*argv, "--policies", "none,hinted", "--json", "r.json"]) == 0
+    out = capsys.readouterr().out
+    picture = tmp_path / replay.DEFAULT_PLOT
+    assert f"picture: {picture}" in out.splitlines()
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.stat().st_size > 20_000  # three panels drawn, not a blank page
+    [summary] = [line for line in out.splitlines() if line.startswith("summary: ")]
+    assert "cold tier remote behind a modelled link of 2 GB/s + 1 ms" in summary
+    assert "vs LMCache's stock LocalDiskBackend (the local disk only" in summary
+    assert "Best tiered variant " in summary and "tok/s" in summary
+    rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
+    assert {"none", "hinted", replay.LOCAL_DISK} <= set(rows)
+    link = json.loads((tmp_path / "r.json").read_text())["config"]["cold_link"]
+    assert link == {"gbps": 2.0, "latency_s": 0.001}
+
+
+def test_bench_refuses_an_unwritable_picture_path_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), "--plot", str(tmp_path / "no" / "x.png")
+    )
+    began = time.monotonic()
+    assert args.func(args) == 2
+    assert time.monotonic() - began < 5
+    assert "--plot none for no picture" in capsys.readouterr().err
+
+
+def test_summary_line_names_the_winner_against_the_stock_backend() -> None:
+    def entry(ttft: float, tps: float) -> dict[str, float]:
+        return {"ttft_p50_s": ttft, "throughput_tps": tps}
+
+    won = report.summary_line(
+        {"none": entry(3.0, 280), "hinted": entry(2.0, 300), "stock": entry(4.0, 250)},
+        "A vs B",
+        "stock",
+    )
+    assert won == (
+        "summary: A vs B. Best tiered variant hinted: TTFT p50 2.00s vs 4.00s stock "
+        "(-50%), 300 vs 250 tok/s (+20%): hinted serves first tokens sooner and "
+        "at least as many tok/s."
+    )
+    lost = report.summary_line(
+        {"none": entry(3.0, 280), "stock": entry(2.0, 300)}, "A vs B", "stock"
+    )
+    assert lost is not None and "the stock backend wins here" in lost
+    # without the baseline, the best policy against none
+    alone = report.summary_line(
+        {"none": entry(3.0, 280), "hinted": entry(2.0, 300)}, "A", "stock"
+    )
+    assert alone is not None and "2.00s vs 3.00s none (-33%)" in alone
+    assert report.summary_line({"none": entry(3.0, 280)}, "A", "stock") is None
 
 
 def test_repeats_rotate_the_order_and_report_paired_changes(
@@ -418,12 +481,16 @@ def test_percentile_interpolates() -> None:
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     record = report.RequestRecord(0.0, 0.1, 0.2, 0.5, 1.0, 300, 5, 2)
     result = report.RunResult("none", [record, record], 1024, None, {}, None, None, 1)
-    summaries = {"none": report.summarize(result, clock=8)}
+    stock = report.RunResult("stock", [record], 1024, None, {}, None, None, 1)
+    summaries = {
+        "none": report.summarize(result, clock=8),
+        "stock": report.summarize(stock, clock=8),
+    }
     path = tmp_path / "bench.png"
-    report.plot(str(path), {"none": [result, result]}, summaries, clock=8)
+    runs = {"none": [result, result], "stock": [stock]}
+    report.plot(str(path), runs, summaries, clock=8, title="A vs B", baseline="stock")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
