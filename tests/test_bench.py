@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import resource
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +21,7 @@ from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered import cli
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness, replay, report, trace
+from lmcache_tiered.bench import diskbench, harness, replay, report, trace
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
 
@@ -560,3 +565,75 @@ def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
         assert copies.measured_s > 0
     finally:
         harness.destroy_engine(engine)
+
+
+# ----------------------------------------------------------------- diskbench
+
+#: the smallest diskbench: one placement of 32 chunks of 1 MiB, one round
+TINY_DISKBENCH = ["--chunk-mb", "1", "--total-gb", "0.03", "--placements", "1"]
+
+
+def test_diskbench_runs_without_the_rust_extension(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LMCache always ships RustRawBlockBackend's Python wrapper; without the
+    Rust extension (here: a name no package provides) its column is null,
+    with why, and the rest runs."""
+    monkeypatch.setattr(diskbench, "RUST_EXTENSION", "lmcache_rust_raw_block_io_x")
+    out = tmp_path / "d.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = ["diskbench", "--workdir", str(work), *TINY_DISKBENCH, "--rounds", "1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rust_raw_block_read_gbps"] is None
+    assert result["rust_raw_block_unavailable"] == diskbench.RUST_MISSING
+    assert result["lmcache_local_disk_read_gbps"] > 0 and result["tiered_read_gbps"] > 0
+    assert (
+        f"RustRawBlockBackend n/a: {diskbench.RUST_MISSING}" in capsys.readouterr().out
+    )
+    assert list(work.iterdir()) == []
+
+
+def test_diskbench_refuses_to_fill_a_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    free_gb = shutil.disk_usage(tmp_path).free / 1e9
+    argv = ["diskbench", "--workdir", str(tmp_path), "--total-gb", f"{free_gb:.0f}"]
+    began = time.monotonic()
+    assert cli.main(argv) == 2
+    assert time.monotonic() - began < 10
+    assert "GB free: lower --total-gb" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_diskbench_fails_in_seconds_when_a_contender_cannot_store(
+    tmp_path: Path,
+) -> None:
+    """Writes that fail (here: files capped at 256 KiB by RLIMIT_FSIZE, in a
+    child process) end the run after STALL_S seconds without progress, with
+    the error a test write gets, instead of a long wait."""
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+    argv = ["diskbench", "--workdir", str(tmp_path), *TINY_DISKBENCH]
+    began = time.monotonic()
+    child = subprocess.run(
+        [sys.executable, "-m", "lmcache_tiered.cli", *argv],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    elapsed = time.monotonic() - began
+    assert child.returncode == 2, child.stderr[-2000:]
+    message = child.stderr.splitlines()[-1]
+    # (LMCache's LocalDiskBackend takes the short write for a stored chunk;
+    # TieredBackend, filled next, gets EFBIG)
+    assert re.match(r"diskbench: \w+ stored \d+ of 32 chunks", message), message
+    assert f"none in the last {diskbench.STALL_S:g} s" in message
+    assert "fails: File too large" in message
+    # the stall window, plus starting Python, torch and LMCache on a busy machine
+    assert elapsed < diskbench.STALL_S + 60
+    assert list(tmp_path.iterdir()) == []
