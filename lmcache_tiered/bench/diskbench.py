@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from lmcache_tiered.bench import harness
+from lmcache_tiered.bench import harness, report
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
 
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
@@ -432,25 +432,27 @@ def table(result: dict[str, Any]) -> str:
         ("LMCache RustRawBlockBackend", result["rust_raw_block_read_gbps"]),
         (f"TieredBackend ({result['io_engine']})", result["tiered_read_gbps"]),
     ]
+    out = report.numbers_table("read path", "GB/s", "x ceiling")
+    for name, gbps in rows:
+        if gbps is None:
+            out.add_row(name, "n/a", "")
+        else:
+            out.add_row(name, f"{gbps:.2f}", f"{gbps / ceiling_gbps:.2f}")
+    out.add_row(
+        "TieredBackend write (through LMCache store)",
+        f"{result['tiered_write_gbps']:.2f}",
+        "",
+    )
+    if "mp_read_gbps" in result:
+        out.add_row(
+            "TieredL2Adapter (multi-process mode)", f"{result['mp_read_gbps']:.2f}", ""
+        )
     lines = [
         f"{result['chunks']} chunks of {result['chunk_mb']} MiB on "
         f"{', '.join(result['paths'])}; median of {result['rounds']} cold rounds "
         f"on each of {result['placements']} placements (fresh files)",
-        f"{'read path':45} {'GB/s':>6} {'x ceiling':>10}",
+        report.render(out),
     ]
-    for name, gbps in rows:
-        if gbps is None:
-            lines.append(f"{name:45} {'n/a':>6} {'':>10}")
-        else:
-            lines.append(f"{name:45} {gbps:6.2f} {gbps / ceiling_gbps:10.2f}")
-    lines.append(
-        f"{'TieredBackend write (through LMCache store)':45} "
-        f"{result['tiered_write_gbps']:6.2f}"
-    )
-    if "mp_read_gbps" in result:
-        lines.append(
-            f"{'TieredL2Adapter (multi-process mode)':45} {result['mp_read_gbps']:6.2f}"
-        )
     names = {
         "tiered_vs_ceiling": "ceiling",
         "tiered_vs_local_disk": "LocalDiskBackend",

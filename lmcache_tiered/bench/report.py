@@ -190,7 +190,7 @@ def render(table: Table) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-def _table(*columns: str) -> Table:
+def numbers_table(*columns: str) -> Table:
     """A table whose first column is left-aligned text, the others numbers."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column(columns[0])
@@ -204,7 +204,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
     base = summaries.get(reference)
     base_ttft = None if base is None else base["ttft_p50_s"]
     base_tps = None if base is None else base["throughput_tps"]
-    out = _table(
+    out = numbers_table(
         "variant",
         "TTFT p50",
         "p90",
@@ -320,7 +320,7 @@ def spread_table(changes: Mapping[str, Mapping[str, Sequence[float]]]) -> str:
             f"{100 * median:+.0f}% ({100 * min(values):+.0f}..{100 * max(values):+.0f})"
         )
 
-    out = _table("change vs none, paired runs", *PAIRED)
+    out = numbers_table("change vs none, paired runs", *PAIRED)
     for name, by_key in changes.items():
         out.add_row(name, *(cell(by_key[k]) for k in PAIRED.values()))
     return render(out)
