@@ -349,6 +349,7 @@ def plot(
     import matplotlib.pyplot as plt
 
     names = list(summaries)
+    shown = {n: f"{n} (stock)" if n == baseline else n for n in names}
     palette = plt.get_cmap("tab10")
     colors = {
         name: "0.45" if name == baseline else palette(i % 10)
@@ -364,7 +365,7 @@ def plot(
             values,
             shares,
             where="post",
-            label=name,
+            label=shown[name],
             color=colors[name],
             linestyle="--" if name == baseline else "-",
             linewidth=2.2 if name == baseline else 1.6,
@@ -382,7 +383,9 @@ def plot(
         (tps_bars, "throughput_tps", "tok/s", "higher"),
     ):
         values = [summaries[n][key] for n in names]
-        bars = axes.barh(names, values, color=[colors[n] for n in names])
+        bars = axes.barh(
+            [shown[n] for n in names], values, color=[colors[n] for n in names]
+        )
         labels = [f"{v:.2f}" if unit == "s" else f"{v:.0f}" for v in values]
         if base is not None:
             labels = [
@@ -395,6 +398,7 @@ def plot(
         axes.set_xlabel(unit)
         axes.set_title(
             f"{'TTFT p50' if unit == 's' else 'Throughput'} ({better} is better)"
+            + ("; % vs stock" if base is not None else "")
         )
         axes.grid(alpha=0.3, axis="x")
     figure.suptitle(title, fontsize=10, wrap=True)
