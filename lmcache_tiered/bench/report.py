@@ -398,7 +398,7 @@ def plot(
         axes.set_xlabel(unit)
         axes.set_title(
             f"{'TTFT p50' if unit == 's' else 'Throughput'} ({better} is better)"
-            + ("; % vs stock" if base is not None else "")
+            + ("\n% against the stock backend" if base is not None else "")
         )
         axes.grid(alpha=0.3, axis="x")
     figure.suptitle(title, fontsize=10, wrap=True)
