@@ -470,9 +470,9 @@ def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(
         str(out),
     )
     assert args.func(args) == 0
-    out = capsys.readouterr().out
-    assert "(none#2: none again, so its change is" in out
-    assert "summary:" not in out  # none#2 is the noise, not a contender
+    printed = capsys.readouterr().out
+    assert "(none#2: none again, so its change is" in printed
+    assert "summary:" not in printed  # none#2 is the noise, not a contender
     policies = json.loads(out.read_text())["policies"]
     assert list(policies) == ["none", "none#2"]
     twin = policies["none#2"]
