@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import resource
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,8 +19,9 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
+from lmcache_tiered import cli
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness, replay, report, trace
+from lmcache_tiered.bench import diskbench, harness, replay, report, trace
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
 
@@ -166,26 +172,29 @@ def test_link_model_delays_reads_and_writes_of_a_tier(
 # -------------------------------------------------------------------- replay
 
 
+def bench_argv(tmp_path: Path, trace_path: Path) -> list[str]:
+    """``bench`` on a tiny trace with tiny chunks, tiers under ``tmp_path``."""
+    for disk in ("warm", "cold"):
+        (tmp_path / disk).mkdir(exist_ok=True)
+    return [
+        "bench",
+        "--trace",
+        str(trace_path),
+        *SMALL,
+        "--warm",
+        str(tmp_path / "warm"),
+        "--cold",
+        str(tmp_path / "cold"),
+        "--concurrency",
+        "2",
+    ]
+
+
 def bench_args(tmp_path: Path, trace_path: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     replay.add_parser(parser.add_subparsers())
-    for disk in ("warm", "cold"):
-        (tmp_path / disk).mkdir(exist_ok=True)
-    return parser.parse_args(
-        [
-            "bench",
-            "--trace",
-            str(trace_path),
-            *SMALL,
-            "--warm",
-            str(tmp_path / "warm"),
-            "--cold",
-            str(tmp_path / "cold"),
-            "--concurrency",
-            "2",
-            *extra,
-        ]
-    )
+    argv = bench_argv(tmp_path, trace_path)
+    return parser.parse_args([*argv, "--plot", str(tmp_path / "bench.png"), *extra])
 
 
 def session_trace(tmp_path: Path) -> Path:
@@ -255,7 +264,7 @@ def test_baseline_gets_local_capacity_only_when_cold_is_remote(
     tmp_path: Path,
 ) -> None:
     trace_path = session_trace(tmp_path)
-    for extra, remote in (((), False), (("--cold-link", "2,1"), True)):
+    for extra, remote in ((("--cold-link", "none"), False), ((), True)):
         args = bench_args(
             tmp_path, trace_path, "--warm-gb", "1", "--cold-gb", "3", *extra
         )
@@ -296,12 +305,9 @@ def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     assert second.arrival >= first.finished + 50.0 / setup.clock
 
 
-def test_cli_writes_json_and_reports_missing_policy_and_plot(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+def test_cli_writes_json_and_reports_missing_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(report, "plot_available", lambda: False)
     out = tmp_path / "r.json"
     args = bench_args(
         tmp_path,
@@ -312,13 +318,13 @@ def test_cli_writes_json_and_reports_missing_policy_and_plot(
         "--json",
         str(out),
         "--plot",
-        str(tmp_path / "r.png"),
+        "none",
     )
     assert args.func(args) == 1  # a policy asked for did not run
     captured = capsys.readouterr()
-    assert "--plot needs matplotlib" in captured.err
     assert "no warm-up policy named 'no-such-policy'" in captured.out
-    assert not (tmp_path / "r.png").exists()
+    assert "picture:" not in captured.out
+    assert not list(tmp_path.glob("*.png"))
     document = json.loads(out.read_text())
     assert list(document["policies"]) == ["none"]
     assert "no-such-policy" in document["unavailable"]
@@ -337,6 +343,68 @@ def test_cli_writes_json_and_reports_missing_policy_and_plot(
     assert document["config"]["clock_factor"] == 1024
     # the variants' directories are gone
     assert not [*(tmp_path / "warm").iterdir(), *(tmp_path / "cold").iterdir()]
+
+
+def test_default_run_writes_the_picture_and_says_what_it_compared(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's ``lmcache-tiered bench`` with defaults (here on a tiny
+    trace): the cold tier is remote, a PNG lands in the current directory,
+    and one line says what was compared and how it came out."""
+    monkeypatch.chdir(tmp_path)
+    argv = bench_argv(tmp_path, session_trace(tmp_path))
+    assert cli.main([*argv, "--policies", "none,hinted", "--json", "r.json"]) == 0
+    out = capsys.readouterr().out
+    picture = tmp_path / replay.DEFAULT_PLOT
+    assert f"picture: {picture}" in out.splitlines()
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.stat().st_size > 20_000  # three panels drawn, not a blank page
+    [summary] = [line for line in out.splitlines() if line.startswith("summary: ")]
+    assert "cold tier remote behind a modelled link of 2 GB/s + 1 ms" in summary
+    assert "vs LMCache's stock LocalDiskBackend (the local disk only" in summary
+    assert "Best tiered variant " in summary and "tok/s" in summary
+    rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
+    assert {"none", "hinted", replay.LOCAL_DISK} <= set(rows)
+    link = json.loads((tmp_path / "r.json").read_text())["config"]["cold_link"]
+    assert link == {"gbps": 2.0, "latency_s": 0.001}
+
+
+def test_bench_refuses_an_unwritable_picture_path_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), "--plot", str(tmp_path / "no" / "x.png")
+    )
+    began = time.monotonic()
+    assert args.func(args) == 2
+    assert time.monotonic() - began < 5
+    assert "--plot none for no picture" in capsys.readouterr().err
+
+
+def test_summary_line_names_the_winner_against_the_stock_backend() -> None:
+    def entry(ttft: float, tps: float) -> dict[str, float]:
+        return {"ttft_p50_s": ttft, "throughput_tps": tps}
+
+    won = report.summary_line(
+        {"none": entry(3.0, 280), "hinted": entry(2.0, 300), "stock": entry(4.0, 250)},
+        "A vs B",
+        "stock",
+    )
+    assert won == (
+        "summary: A vs B. Best tiered variant hinted: TTFT p50 2.00s vs 4.00s stock "
+        "(-50%), 300 vs 250 tok/s (+20%): hinted serves first tokens sooner and "
+        "at least as many tok/s."
+    )
+    lost = report.summary_line(
+        {"none": entry(3.0, 280), "stock": entry(2.0, 300)}, "A vs B", "stock"
+    )
+    assert lost is not None and "the stock backend wins here" in lost
+    # without the baseline, the best policy against none
+    alone = report.summary_line(
+        {"none": entry(3.0, 280), "hinted": entry(2.0, 300)}, "A", "stock"
+    )
+    assert alone is not None and "2.00s vs 3.00s none (-33%)" in alone
+    assert report.summary_line({"none": entry(3.0, 280)}, "A", "stock") is None
 
 
 def test_repeats_rotate_the_order_and_report_paired_changes(
@@ -402,7 +470,9 @@ def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(
         str(out),
     )
     assert args.func(args) == 0
-    assert "(none#2: none again, so its change is" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(none#2: none again, so its change is" in printed
+    assert "summary:" not in printed  # none#2 is the noise, not a contender
     policies = json.loads(out.read_text())["policies"]
     assert list(policies) == ["none", "none#2"]
     twin = policies["none#2"]
@@ -418,12 +488,16 @@ def test_percentile_interpolates() -> None:
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     record = report.RequestRecord(0.0, 0.1, 0.2, 0.5, 1.0, 300, 5, 2)
     result = report.RunResult("none", [record, record], 1024, None, {}, None, None, 1)
-    summaries = {"none": report.summarize(result, clock=8)}
+    stock = report.RunResult("stock", [record], 1024, None, {}, None, None, 1)
+    summaries = {
+        "none": report.summarize(result, clock=8),
+        "stock": report.summarize(stock, clock=8),
+    }
     path = tmp_path / "bench.png"
-    report.plot(str(path), {"none": [result, result]}, summaries, clock=8)
+    runs = {"none": [result, result], "stock": [stock]}
+    report.plot(str(path), runs, summaries, clock=8, title="A vs B", baseline="stock")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -493,3 +567,75 @@ def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
         assert copies.measured_s > 0
     finally:
         harness.destroy_engine(engine)
+
+
+# ----------------------------------------------------------------- diskbench
+
+#: the smallest diskbench: one placement of 32 chunks of 1 MiB, one round
+TINY_DISKBENCH = ["--chunk-mb", "1", "--total-gb", "0.03", "--placements", "1"]
+
+
+def test_diskbench_runs_without_the_rust_extension(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LMCache always ships RustRawBlockBackend's Python wrapper; without the
+    Rust extension (here: a name no package provides) its column is null,
+    with why, and the rest runs."""
+    monkeypatch.setattr(diskbench, "RUST_EXTENSION", "lmcache_rust_raw_block_io_x")
+    out = tmp_path / "d.json"
+    work = tmp_path / "work"
+    work.mkdir()
+    argv = ["diskbench", "--workdir", str(work), *TINY_DISKBENCH, "--rounds", "1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rust_raw_block_read_gbps"] is None
+    assert result["rust_raw_block_unavailable"] == diskbench.RUST_MISSING
+    assert result["lmcache_local_disk_read_gbps"] > 0 and result["tiered_read_gbps"] > 0
+    assert (
+        f"RustRawBlockBackend n/a: {diskbench.RUST_MISSING}" in capsys.readouterr().out
+    )
+    assert list(work.iterdir()) == []
+
+
+def test_diskbench_refuses_to_fill_a_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    free_gb = shutil.disk_usage(tmp_path).free / 1e9
+    argv = ["diskbench", "--workdir", str(tmp_path), "--total-gb", f"{free_gb:.0f}"]
+    began = time.monotonic()
+    assert cli.main(argv) == 2
+    assert time.monotonic() - began < 10
+    assert "GB free: lower --total-gb" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_diskbench_fails_in_seconds_when_a_contender_cannot_store(
+    tmp_path: Path,
+) -> None:
+    """Writes that fail (here: files capped at 256 KiB by RLIMIT_FSIZE, in a
+    child process) end the run after STALL_S seconds without progress, with
+    the error a test write gets, instead of a long wait."""
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+    argv = ["diskbench", "--workdir", str(tmp_path), *TINY_DISKBENCH]
+    began = time.monotonic()
+    child = subprocess.run(
+        [sys.executable, "-m", "lmcache_tiered.cli", *argv],
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    elapsed = time.monotonic() - began
+    assert child.returncode == 2, child.stderr[-2000:]
+    message = child.stderr.splitlines()[-1]
+    # (LMCache's LocalDiskBackend takes the short write for a stored chunk;
+    # TieredBackend, filled next, gets EFBIG)
+    assert re.match(r"diskbench: \w+ stored \d+ of 32 chunks", message), message
+    assert f"none in the last {diskbench.STALL_S:g} s" in message
+    assert "fails: File too large" in message
+    # the stall window, plus starting Python, torch and LMCache on a busy machine
+    assert elapsed < diskbench.STALL_S + 60
+    assert list(tmp_path.iterdir()) == []

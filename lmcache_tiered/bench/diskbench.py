@@ -22,6 +22,8 @@ medians over all rounds, and ratios are taken round by round.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -36,17 +38,28 @@ from typing import Any
 import torch
 
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench import harness
+from lmcache_tiered.bench import harness, report
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
-
-logger = logging.getLogger("lmcache_tiered")
 
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
 #: the layer count is chosen so a chunk has the requested size
 CHUNK_TOKENS, HEADS, HEAD_SIZE = 256, 8, 128
 #: chunks stored and read per request (one batched_get call)
 REQUEST_CHUNKS = 32
+#: LMCache's wrapper (always installed with LMCache) and the Rust extension it
+#: needs (a separate package): only the extension says whether it can run
 RUST_MODULE = "lmcache.v1.storage_backend.plugins.rust_raw_block_backend"
+RUST_EXTENSION = RUST_RAW_BLOCK_EXTENSION
+RUST_MISSING = (
+    f"LMCache's RustRawBlockBackend needs the Rust extension {RUST_EXTENSION}, "
+    "which is not installed (pip install --pre lmcache-rust-raw-block-io)"
+)
+#: seconds a contender may store nothing before its fill counts as failed
+STALL_S = 10.0
+
+
+class StoreFailed(RuntimeError):
+    """A contender could not store its chunks (a full disk, a write error)."""
 
 
 @dataclass
@@ -57,13 +70,17 @@ class Contender:
     location: str
     config: dict[str, Any]
     extra: dict[str, Any]
+    #: where its data lands (for the space check and a failed fill's reason)
+    dirs: list[str]
     engine: Any = None
     requests: list[torch.Tensor] = field(default_factory=list)
 
 
 def contenders(
-    paths: list[str], work: str, args: argparse.Namespace
+    paths: list[str], work: str, args: argparse.Namespace, stored_bytes: int
 ) -> list[Contender]:
+    """Every contender that can run here, each to store ``stored_bytes``;
+    ValueError before anything is written where they would fill a disk."""
     total_gb = args.total_gb * 1.5  # headroom for the last request's chunks
     stock_dir = os.path.join(work, "local_disk")
     os.makedirs(stock_dir, exist_ok=True)
@@ -73,6 +90,7 @@ def contenders(
             "LocalDiskBackend",
             {"local_disk": stock_dir, "max_local_disk_size_gb": total_gb},
             {"use_odirect": True},
+            [stock_dir],
         ),
         Contender(
             "tiered",
@@ -87,20 +105,14 @@ def contenders(
                 "tiered.queue_depth": args.queue_depth,
                 "tiered.warmup.policy": "none",
             },
+            paths,
         ),
     ]
-    try:
-        __import__(RUST_MODULE)
-        __import__(RUST_RAW_BLOCK_EXTENSION)
-    except ImportError:
-        logger.warning("RustRawBlockBackend is not installed: its column is null")
-    else:
+    if rust_unavailable() is None:
         device = os.path.join(work, "rust_raw_block.img")
         capacity = int(total_gb * 2**30)
         # its metadata region must fit well inside the capacity
         meta = min(64 << 20, capacity // 4 >> 20 << 20)
-        with open(device, "wb") as f:
-            f.truncate(capacity + meta)
         found.append(
             Contender(
                 "rust_raw_block",
@@ -115,9 +127,25 @@ def contenders(
                     "rust_raw_block.use_odirect": True,
                     "rust_raw_block.io_engine": "io_uring",
                 },
+                [work],
             )
         )
+    check_space(found, stored_bytes)
+    if found[-1].location == "rrb":
+        with open(found[-1].extra["rust_raw_block.device_path"], "wb") as f:
+            f.truncate(capacity + meta)
     return found
+
+
+def rust_unavailable() -> str | None:
+    """Why RustRawBlockBackend cannot run here, or None where it can."""
+    if importlib.util.find_spec(RUST_EXTENSION) is None:
+        return RUST_MISSING
+    try:
+        importlib.import_module(RUST_MODULE)
+    except ImportError as exc:
+        return f"LMCache's RustRawBlockBackend does not import: {exc}"
+    return None
 
 
 def fill(contender: Contender, chunk_bytes: int, n_requests: int) -> float:
@@ -140,10 +168,82 @@ def fill(contender: Contender, chunk_bytes: int, n_requests: int) -> float:
         tokens = harness.make_tokens(tokens_per_request, seed=1000 + i)
         harness.store_tokens(contender.engine, tokens, kv)
         contender.requests.append(tokens)
-    for tokens in contender.requests:
-        harness.wait_for_puts(contender.engine, tokens, timeout=600)
+    wait_stored(contender, chunk_bytes)
     elapsed = time.perf_counter() - started
     return n_requests * REQUEST_CHUNKS * chunk_bytes / elapsed / 1e9
+
+
+def wait_stored(contender: Contender, chunk_bytes: int) -> None:
+    """Block until every chunk stored is durable in the contender.
+
+    LMCache drops a backend's failed write silently (the key just stays in
+    flight), so a contender that stored nothing for :data:`STALL_S` seconds
+    has failed: StoreFailed, with what a test write in its directories says.
+    """
+    backend = harness.get_backends(contender.engine)[contender.location]
+    keys = [
+        key
+        for tokens in contender.requests
+        for key in harness.chunk_keys(contender.engine, tokens)
+    ]
+    pending, progressed = keys, time.monotonic()
+    while pending:
+        left = [
+            k
+            for k in pending
+            if backend.exists_in_put_tasks(k) or not backend.contains(k)
+        ]
+        if len(left) < len(pending):
+            progressed = time.monotonic()
+        elif time.monotonic() - progressed > STALL_S:
+            raise StoreFailed(
+                f"{contender.name} stored {len(keys) - len(left)} of {len(keys)} "
+                f"chunks, none in the last {STALL_S:g} s; "
+                + "; ".join(write_probe(path, chunk_bytes) for path in contender.dirs)
+            )
+        pending = left
+        time.sleep(0.005)
+
+
+def write_probe(directory: str, nbytes: int) -> str:
+    """What writing (and syncing) ``nbytes`` in ``directory`` says: the error a
+    backend's own write most likely hit (a full disk), or that it works."""
+    free = shutil.disk_usage(directory).free / 1e9
+    try:
+        with tempfile.TemporaryFile(dir=directory) as probe:
+            probe.write(b"\0" * nbytes)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        return (
+            f"a test write of {nbytes / 2**20:g} MiB in {directory} "
+            f"({free:.2f} GB free) fails: {exc.strerror or exc}"
+        )
+    return (
+        f"a test write of {nbytes / 2**20:g} MiB in {directory} ({free:.2f} GB "
+        "free) works, so the backend's own write failed: rerun with -v for its log"
+    )
+
+
+def check_space(runs: list[Contender], stored_bytes: int) -> None:
+    """Refuse a placement whose contenders would fill a file system: each
+    stores ``stored_bytes``, spread over its directories, all at once."""
+    need: dict[int, float] = {}
+    names: dict[int, str] = {}
+    for contender in runs:
+        for path in contender.dirs:
+            device = os.stat(path).st_dev
+            need[device] = need.get(device, 0.0) + stored_bytes / len(contender.dirs)
+            names.setdefault(device, path)
+    for device, nbytes in need.items():
+        free = shutil.disk_usage(names[device]).free
+        if nbytes * 1.05 > free:
+            raise ValueError(
+                f"the contenders ({', '.join(c.name for c in runs)}) would store "
+                f"{nbytes / 1e9:.2f} GB on the file system of {names[device]}, "
+                f"which has {free / 1e9:.2f} GB free: lower --total-gb, or point "
+                "--workdir/--paths at a larger file system"
+            )
 
 
 def read_round(contender: Contender, chunk_bytes: int) -> tuple[float, float]:
@@ -220,7 +320,7 @@ def run_placement(
     bases = args.paths.split(",") if args.paths else [work]
     paths = [tempfile.mkdtemp(prefix="nvme-", dir=base) for base in bases]
     try:
-        runs = contenders(paths, work, args)
+        runs = contenders(paths, work, args, n_requests * REQUEST_CHUNKS * chunk_bytes)
         shift = index % len(runs)
         runs = runs[shift:] + runs[:shift]
         placement = Placement([c.name for c in runs])
@@ -284,6 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ),
         "device_ceiling_method": method + " over the tiered slab files",
         **{key: median_of(name) for name, key in FIELD_OF.items()},
+        "rust_raw_block_unavailable": rust_unavailable(),
         "tiered_write_gbps": statistics.median(
             p.write_gbps["tiered"] for p in placements
         ),
@@ -332,31 +433,35 @@ def table(result: dict[str, Any]) -> str:
         ("LMCache RustRawBlockBackend", result["rust_raw_block_read_gbps"]),
         (f"TieredBackend ({result['io_engine']})", result["tiered_read_gbps"]),
     ]
+    out = report.numbers_table("read path", "GB/s", "x ceiling")
+    for name, gbps in rows:
+        if gbps is None:
+            out.add_row(name, "n/a", "")
+        else:
+            out.add_row(name, f"{gbps:.2f}", f"{gbps / ceiling_gbps:.2f}")
+    out.add_row(
+        "TieredBackend write (through LMCache store)",
+        f"{result['tiered_write_gbps']:.2f}",
+        "",
+    )
+    if "mp_read_gbps" in result:
+        out.add_row(
+            "TieredL2Adapter (multi-process mode)", f"{result['mp_read_gbps']:.2f}", ""
+        )
     lines = [
         f"{result['chunks']} chunks of {result['chunk_mb']} MiB on "
         f"{', '.join(result['paths'])}; median of {result['rounds']} cold rounds "
         f"on each of {result['placements']} placements (fresh files)",
-        f"{'read path':45} {'GB/s':>6} {'x ceiling':>10}",
+        report.render(out),
     ]
-    for name, gbps in rows:
-        if gbps is None:
-            lines.append(f"{name:45} {'n/a':>6} {'':>10}")
-        else:
-            lines.append(f"{name:45} {gbps:6.2f} {gbps / ceiling_gbps:10.2f}")
-    lines.append(
-        f"{'TieredBackend write (through LMCache store)':45} "
-        f"{result['tiered_write_gbps']:6.2f}"
-    )
-    if "mp_read_gbps" in result:
-        lines.append(
-            f"{'TieredL2Adapter (multi-process mode)':45} {result['mp_read_gbps']:6.2f}"
-        )
     names = {
         "tiered_vs_ceiling": "ceiling",
         "tiered_vs_local_disk": "LocalDiskBackend",
         "tiered_vs_rust_raw_block": "RustRawBlockBackend",
     }
     ratios = result["paired_ratios"]
+    if result["rust_raw_block_unavailable"]:
+        lines.append(f"RustRawBlockBackend n/a: {result['rust_raw_block_unavailable']}")
     lines.append(
         "TieredBackend / "
         + ", / ".join(
@@ -369,7 +474,16 @@ def table(result: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     harness.set_lmcache_log_level(logging.ERROR)
-    result = run(args)
+    try:
+        for option, path in [("--workdir", args.workdir)] + [
+            ("--paths", p) for p in (args.paths or "").split(",") if args.paths
+        ]:
+            if path is not None and not os.path.isdir(path):
+                raise ValueError(f"{option} {path}: not a directory")
+        result = run(args)
+    except (StoreFailed, ValueError) as exc:
+        print(f"diskbench: {exc}", file=sys.stderr)
+        return 2
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -79,6 +79,11 @@ _TIER_OF_LOCATION = {"LocalCPUBackend": "hot", "LocalDiskBackend": "warm"}
 GIB = 1 << 30
 #: Production seconds the replay may fall behind its GPU clock unremarked.
 LAG_NOTE_S = 1.0
+#: The deployment the plugin is built for: local NVMe (warm) in front of a
+#: remote cold tier (NVMe-oF, a shared file system), here 2 GB/s + 1 ms.
+DEFAULT_COLD_LINK = "2,1"
+#: Where the picture goes unless --plot says otherwise.
+DEFAULT_PLOT = "lmcache-tiered-bench.png"
 
 
 class VariantUnavailable(RuntimeError):
@@ -896,9 +901,12 @@ def add_parser(subparsers: Any) -> None:
     tiers.add_argument(
         "--cold-link",
         type=_link_arg,
-        metavar="GBPS[,MS]",
-        help="emulate a remote cold tier: a link of this bandwidth and latency "
-        "(production units) paid after each real read and write of it",
+        default=DEFAULT_COLD_LINK,
+        metavar="GBPS[,MS]|none",
+        help="the cold tier is remote: a link of this bandwidth and latency "
+        "(production units) is paid after each real read and write of it "
+        f"(default: {DEFAULT_COLD_LINK}, i.e. 2 GB/s + 1 ms); 'none': warm and "
+        "cold on one local disk, the stock baseline then gets both capacities",
     )
     tiers.add_argument(
         "--io-engine",
@@ -917,8 +925,10 @@ def add_parser(subparsers: Any) -> None:
     out.add_argument("--json", metavar="FILE", help="write the results as JSON")
     out.add_argument(
         "--plot",
-        metavar="FILE",
-        help="write TTFT CDFs and throughput bars as a PNG (needs matplotlib)",
+        metavar="FILE|none",
+        default=DEFAULT_PLOT,
+        help="write TTFT CDFs, TTFT p50 and throughput bars as a PNG "
+        f"(default: {DEFAULT_PLOT} in the current directory; 'none': no picture)",
     )
     parser.set_defaults(func=main)
 
@@ -928,7 +938,9 @@ def default_policies() -> list[str]:
     return sorted(installed_policies(), key=lambda name: (name != "none", name))
 
 
-def _link_arg(text: str) -> LinkModel:
+def _link_arg(text: str) -> LinkModel | None:
+    if text == "none":
+        return None
     try:
         return LinkModel.parse(text)
     except ValueError as exc:
@@ -997,7 +1009,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         warm_paths=tuple(warm),
         cold_paths=tuple(cold),
         io_engine=args.io_engine,
-        cold_link=args.cold_link,
+        cold_link=args.cold_link if cold else None,
     )
 
 
@@ -1031,6 +1043,39 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
     )
 
 
+def compared(setup: Setup, baseline: bool) -> str:
+    """What the run compares, in words, for the summary line and the picture."""
+    if setup.cold_link is not None:
+        tiers = (
+            "warm tier on the local disk, cold tier remote behind a modelled "
+            f"link of {setup.cold_link}"
+        )
+        stock = "the local disk only"
+    elif setup.cold_paths:
+        tiers = "warm and cold tiers on one local disk (--cold-link none)"
+        stock = "that disk with warm + cold capacity"
+    else:
+        tiers = "a warm tier only (--cold none)"
+        stock = "the same disk"
+    plugin = f"TieredBackend with each warm-up policy ({tiers})"
+    if not baseline:
+        return f"{plugin} against its policy none (no warm-up)"
+    return (
+        f"{plugin} vs LMCache's stock LocalDiskBackend ({stock}, "
+        f"{setup.baseline_disk_gb:.1f} GiB)"
+    )
+
+
+def check_plot_path(path: str) -> None:
+    """Fail before the run, not after it, where the picture cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"--plot {path}: cannot write there ({folder} is not a writable "
+            "directory); give another FILE, or --plot none for no picture"
+        )
+
+
 def check_space(setup: Setup, requests: list[trace.Request]) -> None:
     """Refuse to start a run whose tiers would fill a disk.
 
@@ -1051,14 +1096,10 @@ def check_space(setup: Setup, requests: list[trace.Request]) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run every variant on the same workload; print, and write JSON/PNG."""
     policies = _split(args.policies) if args.policies else default_policies()
-    if args.plot and not report.plot_available():
-        print(
-            "bench: --plot needs matplotlib, which is not installed "
-            "(pip install 'lmcache-tiered[plot]'); running without the plot",
-            file=sys.stderr,
-        )
-        args.plot = None
+    plot = None if args.plot == "none" else args.plot
     try:
+        if plot is not None:
+            check_plot_path(plot)
         for option in ("repeat", "concurrency", "token_budget"):
             if getattr(args, option) < 1:
                 raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
@@ -1106,6 +1147,14 @@ def main(args: argparse.Namespace) -> int:
     }
     print()
     print(report.table(summaries))
+    line = report.summary_line(
+        # a twin (none#2) is the noise, not a contender
+        {n: s for n, s in summaries.items() if TWIN_MARK not in n},
+        compared(setup, LOCAL_DISK in summaries),
+        LOCAL_DISK,
+    )
+    if line is not None:
+        print(line)
     if args.repeat > 1:
         print(f"(medians of {args.repeat} interleaved runs per variant)")
         changes = report.paired_changes(summaries)
@@ -1143,8 +1192,16 @@ def main(args: argparse.Namespace) -> int:
                 "unavailable": unavailable,
             },
         )
-    if args.plot and runs:
-        report.plot(args.plot, runs, summaries, setup.clock)
+    if plot is not None and runs:
+        report.plot(
+            plot,
+            runs,
+            summaries,
+            setup.clock,
+            compared(setup, LOCAL_DISK in summaries),
+            LOCAL_DISK,
+        )
+        print(f"picture: {os.path.abspath(plot)}")
     return 1 if unavailable else 0
 
 

@@ -1,4 +1,5 @@
-"""What a bench run measured, and how it is shown: table, JSON, plot, progress.
+"""What a bench run measured, and how it is shown: table, summary line, JSON,
+picture, progress (tables and progress bars by rich, the picture by matplotlib).
 
 Times in summaries are production seconds: the replay's GPU-clock times
 multiplied by the clock factor (see :mod:`lmcache_tiered.bench.profiles`).
@@ -28,13 +29,17 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
+
+import rich.progress
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 TIERS = ("hot", "warm", "cold")
 
@@ -167,36 +172,103 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _change(value: float, base: float | None) -> float | None:
+    return None if base is None or base == 0 else value / base - 1.0
+
+
 def _delta(value: float, base: float | None) -> str:
-    if base is None or base == 0:
-        return "-"
-    return f"{100.0 * (value / base - 1.0):+.0f}%"
+    change = _change(value, base)
+    return "-" if change is None else f"{100.0 * change:+.0f}%"
+
+
+def render(table: Table) -> str:
+    """A rich table as plain text at its natural width, so a row stays one
+    line in a log file or a narrow terminal."""
+    console = Console(file=io.StringIO(), width=400, color_system=None)
+    console.print(table)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    return "\n".join(line.rstrip() for line in text.splitlines())
+
+
+def numbers_table(*columns: str) -> Table:
+    """A table whose first column is left-aligned text, the others numbers."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column(columns[0])
+    for column in columns[1:]:
+        table.add_column(column, justify="right")
+    return table
 
 
 def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -> str:
-    """Fixed-width text table, one row per variant; deltas against ``reference``."""
+    """One row per variant; deltas against ``reference``."""
     base = summaries.get(reference)
     base_ttft = None if base is None else base["ttft_p50_s"]
     base_tps = None if base is None else base["throughput_tps"]
-    header = (
-        f"{'variant':<20} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'req/s':>7} "
-        f"{'tok/s':>7} {'hit hot/warm/cold':>18} {'GB read warm/cold':>18} "
-        f"{'prec':>5} {'timely':>6} {'dTTFT50':>8} {'dtok/s':>7}"
+    out = numbers_table(
+        "variant",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "req/s",
+        "tok/s",
+        "hit hot/warm/cold",
+        "GB read warm/cold",
+        "prec",
+        "timely",
+        f"dTTFT50 vs {reference}",
+        f"dtok/s vs {reference}",
     )
-    rows = [header, "-" * len(header)]
     for name, s in summaries.items():
         hits = "/".join(f"{100 * s['hit_rate'][t]:.0f}" for t in TIERS) + " %"
         read = "/".join(f"{s['bytes_read'][t] / 1e9:.2f}" for t in ("warm", "cold"))
-        rows.append(
-            f"{name:<20} {s['ttft_p50_s']:>8.2f}s {s['ttft_p90_s']:>7.2f}s "
-            f"{s['ttft_p99_s']:>7.2f}s {s['throughput_rps']:>7.2f} "
-            f"{s['throughput_tps']:>7.0f} {hits:>18} {read:>18} "
-            f"{_fmt(s['warmup_precision'], '.2f'):>5} "
-            f"{_fmt(s['warmup_timeliness'], '.2f'):>6} "
-            f"{_delta(s['ttft_p50_s'], base_ttft):>8} "
-            f"{_delta(s['throughput_tps'], base_tps):>7}"
+        out.add_row(
+            name,
+            f"{s['ttft_p50_s']:.2f}s",
+            f"{s['ttft_p90_s']:.2f}s",
+            f"{s['ttft_p99_s']:.2f}s",
+            f"{s['throughput_rps']:.2f}",
+            f"{s['throughput_tps']:.0f}",
+            hits,
+            read,
+            _fmt(s["warmup_precision"], ".2f"),
+            _fmt(s["warmup_timeliness"], ".2f"),
+            _delta(s["ttft_p50_s"], base_ttft),
+            _delta(s["throughput_tps"], base_tps),
         )
-    return "\n".join(rows)
+    return render(out)
+
+
+def summary_line(
+    summaries: Mapping[str, Mapping[str, Any]],
+    compared: str,
+    baseline: str,
+    reference: str = "none",
+) -> str | None:
+    """One line: what was compared (``compared``), the best plugin variant's
+    TTFT p50 and tok/s against ``baseline`` (else ``reference``), and what
+    that means. None where there is nothing to compare."""
+    against = baseline if baseline in summaries else reference
+    others = {n: s for n, s in summaries.items() if n not in (baseline, against)}
+    if against not in summaries or not others:
+        return None
+    base = summaries[against]
+    best = min(others, key=lambda name: others[name]["ttft_p50_s"])
+    s = others[best]
+    ttft = _change(s["ttft_p50_s"], base["ttft_p50_s"]) or 0.0
+    tps = _change(s["throughput_tps"], base["throughput_tps"]) or 0.0
+    label = "stock" if against == baseline else against
+    if ttft < 0 and tps >= 0:
+        meaning = f"{best} serves first tokens sooner and at least as many tok/s"
+    elif ttft >= 0 and tps <= 0:
+        meaning = f"{'the stock backend' if label == 'stock' else label} wins here"
+    else:
+        meaning = "a trade: one number better, the other worse"
+    return (
+        f"summary: {compared}. Best tiered variant {best}: TTFT p50 "
+        f"{s['ttft_p50_s']:.2f}s vs {base['ttft_p50_s']:.2f}s {label} "
+        f"({100 * ttft:+.0f}%), {s['throughput_tps']:.0f} vs "
+        f"{base['throughput_tps']:.0f} tok/s ({100 * tps:+.0f}%): {meaning}."
+    )
 
 
 #: Numbers compared run by run against the reference by :func:`paired_changes`.
@@ -248,15 +320,10 @@ def spread_table(changes: Mapping[str, Mapping[str, Sequence[float]]]) -> str:
             f"{100 * median:+.0f}% ({100 * min(values):+.0f}..{100 * max(values):+.0f})"
         )
 
-    header = f"{'change vs none, paired runs':<28}" + "".join(
-        f"{label:>20}" for label in PAIRED
-    )
-    rows = [header, "-" * len(header)]
+    out = numbers_table("change vs none, paired runs", *PAIRED)
     for name, by_key in changes.items():
-        rows.append(
-            f"{name:<28}" + "".join(f"{cell(by_key[k]):>20}" for k in PAIRED.values())
-        )
-    return "\n".join(rows)
+        out.add_row(name, *(cell(by_key[k]) for k in PAIRED.values()))
+    return render(out)
 
 
 def write_json(path: str, document: Mapping[str, Any]) -> None:
@@ -265,81 +332,100 @@ def write_json(path: str, document: Mapping[str, Any]) -> None:
         out.write("\n")
 
 
-def plot_available() -> bool:
-    """Whether matplotlib (the optional ``plot`` extra) can be imported."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def plot(
     path: str,
     runs: Mapping[str, Sequence[RunResult]],
     summaries: Mapping[str, Mapping[str, Any]],
     clock: float,
+    title: str,
+    baseline: str,
 ) -> None:
-    """TTFT CDF per variant, all its runs pooled (left), and token throughput
-    bars (right) as a PNG."""
+    """The run as a PNG: TTFT CDF per variant, all its runs pooled; TTFT p50
+    and token throughput bars, each labelled with its change against
+    ``baseline`` (drawn grey and dashed) where it ran."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    figure, (cdf, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, results in runs.items():
-        values = sorted(t for result in results for t in ttfts(result, clock))
-        shares = [(i + 1) / len(values) for i in range(len(values))]
-        cdf.step(values, shares, where="post", label=name)
-    cdf.set_xlabel("TTFT (s, production-equivalent)")
-    cdf.set_ylabel("share of requests")
-    cdf.set_title("TTFT CDF")
-    cdf.grid(alpha=0.3)
-    cdf.legend()
     names = list(summaries)
-    bars.bar(names, [summaries[n]["throughput_tps"] for n in names])
-    bars.set_ylabel("generated tokens / s")
-    bars.set_title("Throughput")
-    bars.tick_params(axis="x", labelrotation=30)
+    shown = {n: f"{n} (stock)" if n == baseline else n for n in names}
+    palette = plt.get_cmap("tab10")
+    colors = {
+        name: "0.45" if name == baseline else palette(i % 10)
+        for i, name in enumerate(names)
+    }
+    figure, (cdf, ttft_bars, tps_bars) = plt.subplots(
+        1, 3, figsize=(16, 5.5), gridspec_kw={"width_ratios": [1.5, 1, 1]}
+    )
+    for name in names:
+        values = sorted(t for result in runs[name] for t in ttfts(result, clock))
+        shares = [(i + 1) / len(values) for i in range(len(values))]
+        cdf.step(
+            values,
+            shares,
+            where="post",
+            label=shown[name],
+            color=colors[name],
+            linestyle="--" if name == baseline else "-",
+            linewidth=2.2 if name == baseline else 1.6,
+        )
+    cdf.set_xscale("log")
+    cdf.axhline(0.5, color="0.7", linewidth=0.8, linestyle=":")
+    cdf.set_xlabel("TTFT, production seconds (log scale)")
+    cdf.set_ylabel("share of requests")
+    cdf.set_title("TTFT CDF (left and up is better)")
+    cdf.grid(alpha=0.3, which="both")
+    cdf.legend(fontsize=9)
+    base = summaries.get(baseline)
+    for axes, key, unit, better in (
+        (ttft_bars, "ttft_p50_s", "s", "lower"),
+        (tps_bars, "throughput_tps", "tok/s", "higher"),
+    ):
+        values = [summaries[n][key] for n in names]
+        bars = axes.barh(
+            [shown[n] for n in names], values, color=[colors[n] for n in names]
+        )
+        labels = [f"{v:.2f}" if unit == "s" else f"{v:.0f}" for v in values]
+        if base is not None:
+            labels = [
+                text if name == baseline else f"{text} ({_delta(v, base[key])})"
+                for text, name, v in zip(labels, names, values, strict=True)
+            ]
+        axes.bar_label(bars, labels, padding=3, fontsize=9)
+        axes.invert_yaxis()  # first variant on top, as in the table
+        axes.set_xlim(0, max(values) * 1.35)
+        axes.set_xlabel(unit)
+        axes.set_title(
+            f"{'TTFT p50' if unit == 's' else 'Throughput'} ({better} is better)"
+            + ("\n% against the stock backend" if base is not None else "")
+        )
+        axes.grid(alpha=0.3, axis="x")
+    figure.suptitle(title, fontsize=10, wrap=True)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn at most ten times a second
-    on a terminal; elsewhere (a log file) only its final state is written."""
+    """One variant's progress bar on stderr (rich: redrawn on a terminal;
+    elsewhere, e.g. a log file, only its final state is written)."""
 
-    WIDTH = 30
-
-    def __init__(self, label: str, total: int, stream: TextIO | None = None) -> None:
-        self.label = label
-        self.total = max(total, 1)
-        self.done = 0
-        self.stream = stream or sys.stderr
-        self.live = self.stream.isatty()
-        self.started = time.monotonic()
-        self._drawn = 0.0
-        if self.live:
-            self._draw()
+    def __init__(self, label: str, total: int, console: Console | None = None):
+        self._bar = rich.progress.Progress(
+            rich.progress.TextColumn("{task.description:<28}"),
+            rich.progress.BarColumn(),
+            rich.progress.MofNCompleteColumn(),
+            rich.progress.TimeElapsedColumn(),
+            rich.progress.TextColumn("{task.fields[note]}"),
+            console=console or Console(stderr=True),
+        )
+        self._task = self._bar.add_task(label, total=max(total, 1), note="")
+        self._bar.start()
 
     def advance(self, count: int = 1) -> None:
-        self.done += count
-        if self.live and time.monotonic() - self._drawn >= 0.1:
-            self._draw()
-
-    def _draw(self) -> None:
-        self._drawn = time.monotonic()
-        filled = self.WIDTH * self.done // self.total
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        self.stream.write(
-            f"\r{self.label:<28} [{bar}] {self.done}/{self.total} "
-            f"{self._drawn - self.started:5.1f}s"
-        )
-        self.stream.flush()
+        self._bar.advance(self._task, count)
 
     def close(self, note: str = "") -> None:
-        self._draw()
-        self.stream.write(f" {note}\n")
-        self.stream.flush()
+        self._bar.update(self._task, note=note)
+        self._bar.stop()
