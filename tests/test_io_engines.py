@@ -510,8 +510,12 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
         "lmcache_local_disk_read_gbps",
         "tiered_read_gbps",
         "tiered_write_gbps",
+        "lmcache_local_disk_write_gbps",
+        "tiered_cpu_s_per_gb",
+        "lmcache_local_disk_cpu_s_per_gb",
     ):
         assert result[key] > 0, key
+    assert len(first["cpu_s_per_gb"]["tiered"]) == 1  # one per round
     assert result["paired_ratios"]["tiered_vs_local_disk"] > 0
     assert list(tmp_path.iterdir()) == []  # every placement's files removed
 

@@ -246,14 +246,25 @@ def check_space(runs: list[Contender], stored_bytes: int) -> None:
             )
 
 
-def read_round(contender: Contender, chunk_bytes: int) -> tuple[float, float]:
-    """Cold-read every stored chunk through StorageManager.batched_get: GB/s,
-    and bytes the kernel read from storage per byte served (1.0: every byte
-    came from disk, not from a cache somewhere)."""
+@dataclass(frozen=True)
+class Round:
+    """One contender's cold read of everything it stored."""
+
+    gbps: float
+    #: bytes the kernel read from storage per byte served (1.0: every byte
+    #: came from disk, not from a cache somewhere)
+    disk_share: float
+    #: this process's CPU seconds (all threads, user + system) per GB served
+    cpu_s_per_gb: float
+
+
+def read_round(contender: Contender, chunk_bytes: int) -> Round:
+    """Cold-read every stored chunk through StorageManager.batched_get."""
     engine = contender.engine
     harness.clear_cpu_tier(engine)
     drop_page_cache()
     disk_before = storage_bytes_read()
+    cpu_before = time.process_time()
     started = time.perf_counter()
     for tokens in contender.requests:
         objs = harness.get_chunks(engine, tokens, contender.location)
@@ -265,9 +276,10 @@ def read_round(contender: Contender, chunk_bytes: int) -> tuple[float, float]:
             obj.ref_count_down()
         harness.clear_cpu_tier(engine)
     elapsed = time.perf_counter() - started
+    cpu = time.process_time() - cpu_before
     served = len(contender.requests) * REQUEST_CHUNKS * chunk_bytes
     disk_share = (storage_bytes_read() - disk_before) / served
-    return served / elapsed / 1e9, disk_share
+    return Round(served / elapsed / 1e9, disk_share, cpu / (served / 1e9))
 
 
 def storage_bytes_read() -> int:
@@ -290,11 +302,12 @@ def ceiling(files: list[str], chunk_bytes: int, total_bytes: int) -> tuple[float
     return raw_read_gbps(files, chunk_bytes, total_bytes), "lmcache-tiered raw loop"
 
 
-#: JSON field of each contender's read GB/s
-FIELD_OF = {
-    "lmcache_local_disk": "lmcache_local_disk_read_gbps",
-    "rust_raw_block": "rust_raw_block_read_gbps",
-    "tiered": "tiered_read_gbps",
+#: Every contender's name (its JSON fields are ``<name>_read_gbps``,
+#: ``<name>_cpu_s_per_gb``, ``<name>_write_gbps``) and its row in the table.
+CONTENDERS = {
+    "lmcache_local_disk": "LMCache LocalDiskBackend (O_DIRECT)",
+    "rust_raw_block": "LMCache RustRawBlockBackend",
+    "tiered": "TieredBackend",
 }
 
 
@@ -307,6 +320,8 @@ class Placement:
     read_gbps: dict[str, list[float]] = field(default_factory=dict)
     #: storage bytes read per byte served, per contender and round
     disk_share: dict[str, list[float]] = field(default_factory=dict)
+    #: CPU seconds per GB read, per contender and round
+    cpu_s_per_gb: dict[str, list[float]] = field(default_factory=dict)
     write_gbps: dict[str, float] = field(default_factory=dict)
 
 
@@ -339,9 +354,13 @@ def run_placement(
             gbps, method = ceiling(slabs, chunk_bytes, total_bytes)
             placement.ceiling_gbps.append(gbps)
             for contender in runs:
-                gbps, disk_share = read_round(contender, chunk_bytes)
-                placement.read_gbps.setdefault(contender.name, []).append(gbps)
-                placement.disk_share.setdefault(contender.name, []).append(disk_share)
+                measured = read_round(contender, chunk_bytes)
+                name = contender.name
+                placement.read_gbps.setdefault(name, []).append(measured.gbps)
+                placement.disk_share.setdefault(name, []).append(measured.disk_share)
+                placement.cpu_s_per_gb.setdefault(name, []).append(
+                    measured.cpu_s_per_gb
+                )
         return placement, method, warm.engine.name
     finally:
         harness.destroy_all_engines()
@@ -374,8 +393,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         placements.append(placement)
 
-    def median_of(name: str) -> float | None:
-        samples = [g for p in placements for g in p.read_gbps.get(name, [])]
+    def median_of(name: str, what: str = "read_gbps") -> float | None:
+        samples = [g for p in placements for g in getattr(p, what).get(name, [])]
+        return statistics.median(samples) if samples else None
+
+    def write_median(name: str) -> float | None:
+        samples = [p.write_gbps[name] for p in placements if name in p.write_gbps]
         return statistics.median(samples) if samples else None
 
     result: dict[str, Any] = {
@@ -383,11 +406,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             g for p in placements for g in p.ceiling_gbps
         ),
         "device_ceiling_method": method + " over the tiered slab files",
-        **{key: median_of(name) for name, key in FIELD_OF.items()},
+        **{f"{name}_read_gbps": median_of(name) for name in CONTENDERS},
+        **{
+            f"{name}_cpu_s_per_gb": median_of(name, "cpu_s_per_gb")
+            for name in CONTENDERS
+        },
+        **{f"{name}_write_gbps": write_median(name) for name in CONTENDERS},
         "rust_raw_block_unavailable": rust_unavailable(),
-        "tiered_write_gbps": statistics.median(
-            p.write_gbps["tiered"] for p in placements
-        ),
         "chunk_mb": args.chunk_mb,
         "chunks": n_requests * REQUEST_CHUNKS,
         "paths": args.paths.split(",") if args.paths else ["(a temporary directory)"],
@@ -412,9 +437,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bases = args.paths.split(",") if args.paths else [args.workdir]
         dirs = [tempfile.mkdtemp(prefix="lmcache-tiered-mp-", dir=b) for b in bases]
         try:
-            result["mp_read_gbps"] = mp_read_gbps(
+            measured = mp_read_gbps(
                 dirs, chunk_bytes, n_requests * REQUEST_CHUNKS * chunk_bytes
             )
+            result["mp_read_gbps"], result["mp_cpu_s_per_gb"] = measured
         finally:
             for path in dirs:
                 shutil.rmtree(path, ignore_errors=True)
@@ -427,26 +453,38 @@ def progress(message: str) -> None:
 
 def table(result: dict[str, Any]) -> str:
     ceiling_gbps = result["device_ceiling_gbps"]
-    rows = [("device ceiling (" + result["device_ceiling_method"] + ")", ceiling_gbps)]
-    rows += [
-        ("LMCache LocalDiskBackend (O_DIRECT)", result["lmcache_local_disk_read_gbps"]),
-        ("LMCache RustRawBlockBackend", result["rust_raw_block_read_gbps"]),
-        (f"TieredBackend ({result['io_engine']})", result["tiered_read_gbps"]),
-    ]
-    out = report.numbers_table("read path", "GB/s", "x ceiling")
-    for name, gbps in rows:
-        if gbps is None:
-            out.add_row(name, "n/a", "")
-        else:
-            out.add_row(name, f"{gbps:.2f}", f"{gbps / ceiling_gbps:.2f}")
+    out = report.numbers_table(
+        "path", "read GB/s", "x ceiling", "read CPU s/GB", "write GB/s"
+    )
     out.add_row(
-        "TieredBackend write (through LMCache store)",
-        f"{result['tiered_write_gbps']:.2f}",
+        "device ceiling (" + result["device_ceiling_method"] + ")",
+        f"{ceiling_gbps:.2f}",
+        "1.00",
+        "",
         "",
     )
+
+    def cell(value: float | None, digits: int = 2) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
+    for name, label in CONTENDERS.items():
+        gbps = result[f"{name}_read_gbps"]
+        if name == "tiered":
+            label += f" ({result['io_engine']})"
+        out.add_row(
+            label,
+            cell(gbps),
+            "" if gbps is None else f"{gbps / ceiling_gbps:.2f}",
+            cell(result[f"{name}_cpu_s_per_gb"], 3),
+            cell(result[f"{name}_write_gbps"]),
+        )
     if "mp_read_gbps" in result:
         out.add_row(
-            "TieredL2Adapter (multi-process mode)", f"{result['mp_read_gbps']:.2f}", ""
+            "TieredL2Adapter (multi-process mode)",
+            f"{result['mp_read_gbps']:.2f}",
+            f"{result['mp_read_gbps'] / ceiling_gbps:.2f}",
+            cell(result.get("mp_cpu_s_per_gb"), 3),
+            "",
         )
     lines = [
         f"{result['chunks']} chunks of {result['chunk_mb']} MiB on "

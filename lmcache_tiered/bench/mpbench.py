@@ -16,6 +16,7 @@ import select
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from lmcache.v1.distributed.api import ObjectKey
@@ -41,6 +42,11 @@ MODEL = "lmcache-tiered/mpbench"
 _WAIT_MS = 60_000
 
 
+class MpRead(NamedTuple):
+    gbps: float
+    cpu_s_per_gb: float
+
+
 def mp_read_gbps(
     paths: Sequence[str],
     chunk_bytes: int,
@@ -51,8 +57,9 @@ def mp_read_gbps(
     keys_per_task: int = 16,
     tasks_in_flight: int = 2,
     drop_caches: bool = True,
-) -> float:
-    """Load ``total_bytes`` (whole chunks) through the adapter; GB/s (1e9 B/s).
+) -> MpRead:
+    """Load ``total_bytes`` (whole chunks) through the adapter; GB/s (1e9 B/s)
+    and this process's CPU seconds per GB over the loads.
 
     ``paths`` are scratch directories, one per device: the adapter's files
     there (``kv-mp.*``) are kept, and a later call with the same chunk size
@@ -90,6 +97,7 @@ def mp_read_gbps(
     try:
         groups = [keys[i : i + keys_per_task] for i in range(0, chunks, keys_per_task)]
         outstanding: deque[tuple[int, int]] = deque()  # (task id, keys)
+        cpu_start = time.process_time()
         start = time.perf_counter()
         for n, group in enumerate(groups):
             # buffers of task n - tasks_in_flight, whose result came first
@@ -101,9 +109,11 @@ def mp_read_gbps(
         while outstanding:
             _finish_load(adapter, *outstanding.popleft())
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
     finally:
         adapter.close()
-    return chunks * chunk_bytes / elapsed / 1e9
+    gigabytes = chunks * chunk_bytes / 1e9
+    return MpRead(gigabytes / elapsed, cpu / gigabytes)
 
 
 def _memory_obj(data: torch.Tensor) -> MemoryObj:
