@@ -864,7 +864,7 @@ class Tier:
         # heads get the higher sequence numbers: a restart, which orders the
         # index by sequence, keeps them more recent than their tails
         last_sequence = self._reserve_sequences(len(payloads))
-        planned: list[tuple[int, Entry, _Transfer]] = []
+        taken: list[tuple[int, int, Payload, _Transfer]] = []
         evicted: list[CacheEngineKey] = []
         seen: set[bytes] = set()
         for i, payload in enumerate(payloads):
@@ -888,27 +888,23 @@ class Tier:
             if slot is None:
                 self.stats.puts_dropped += 1
                 continue
-            header = RecordHeader(
-                key=payload.key,
-                shape=payload.shape,
-                dtype=payload.dtype,
-                fmt=payload.fmt,
-                payload_size=size,
-                payload_crc=payload_checksum(payload.view),
-                sequence=last_sequence - i,
-                created_ns=time.time_ns(),
-            )
             transfer = self._plan_transfer(
                 slot, size, payload.view, payload.direct, False
             )
-            planned.append((i, Entry(slot, header), transfer))
+            taken.append((i, slot, payload, transfer))
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
-        if not planned:
+        if not taken:
             return stored
-        payload_ok = self._write_all(
-            [r for _, _, t in planned for r in t.requests], per_record=planned
-        )
+        requests = [r for _, _, _, t in taken for r in t.requests]
+        writing = self._submit(requests, write=True)
+        # checksums on the verifier threads while the payloads are in flight
+        checksums = _VERIFIERS.map(payload_checksum, [p.view for _, _, p, _ in taken])
+        planned = [
+            (i, Entry(slot, self._header_for(payload, crc, last_sequence - i)), t)
+            for (i, slot, payload, t), crc in zip(taken, checksums, strict=True)
+        ]
+        payload_ok = self._finish_writes(requests, writing, planned)
         headers = []
         for ok, (_, entry, _) in zip(payload_ok, planned, strict=True):
             if ok:
@@ -945,15 +941,33 @@ class Tier:
         self.stats.puts += 1
         self.stats.bytes_written += entry.header.payload_size
 
-    def _write_all(
+    @staticmethod
+    def _header_for(payload: Payload, crc: int, sequence: int) -> RecordHeader:
+        return RecordHeader(
+            key=payload.key,
+            shape=payload.shape,
+            dtype=payload.dtype,
+            fmt=payload.fmt,
+            payload_size=len(payload.view),
+            payload_crc=crc,
+            sequence=sequence,
+            created_ns=time.time_ns(),
+        )
+
+    def _write_all(self, requests: list[IORequest]) -> list[bool]:
+        """Write a batch (and fdatasync if configured); success per request."""
+        return self._finish_writes(requests, self._submit(requests, write=True))
+
+    def _finish_writes(
         self,
         requests: list[IORequest],
+        writing: Future[list[int]],
         per_record: Sequence[tuple[int, Entry, _Transfer]] | None = None,
     ) -> list[bool]:
-        """Write a batch (and fdatasync if configured); success per record, or
-        per request when ``per_record`` is None. A failed fdatasync fails the
-        whole batch: nothing unsynced is acknowledged."""
-        results = self._submit(requests, write=True).result()
+        """Wait for a submitted batch (and fdatasync if configured); success
+        per record, or per request when ``per_record`` is None. A failed
+        fdatasync fails the whole batch: nothing unsynced is acknowledged."""
+        results = writing.result()
         failure = self._first_error(requests, results)
         written = [n >= len(r.buffer) for r, n in zip(requests, results, strict=True)]
         if self.fsync and any(written):

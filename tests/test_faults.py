@@ -303,16 +303,16 @@ def test_torn_payload_in_a_reused_slot_is_caught(device_dirs: list[Path]) -> Non
     tier = open_tier(device_dirs, 4)
     assert chunks.store(tier, range(4)) == [True] * 4
     victim = tier.victims(1)[0].chunk_hash
-    write_all = tier._write_all
+    submit = tier._submit
     calls = []
 
-    def die_before_headers(requests: list[IORequest], **kw: Any) -> list[bool]:
+    def die_before_headers(requests: list[IORequest], write: bool) -> Any:
         calls.append(len(requests))
         if len(calls) == 1:
-            return write_all(requests, **kw)  # the payloads
+            return submit(requests, write)  # the payloads
         raise SystemExit("killed between payload and header")
 
-    tier._write_all = die_before_headers  # type: ignore[method-assign]
+    tier._submit = die_before_headers  # type: ignore[method-assign]
     with pytest.raises(SystemExit):
         chunks.store(tier, [9])
     tier.close()
