@@ -1,7 +1,7 @@
-"""The vLLM wiring, as far as it runs without vLLM (not installed here: it
-would pull a CUDA torch). The forwarder talks to a real HintServer; the hook
-is installed on a stand-in with the signature of vLLM's
-``AsyncLLM._add_request`` (vllm/v1/engine/async_llm.py), not on vLLM itself.
+"""The vLLM wiring, as far as it runs without vLLM (not installed in this
+venv; tests/e2e runs it in a live vLLM). The forwarder talks to a real
+HintServer; the hook is installed on a stand-in with the signature of vLLM's
+``AsyncLLM._add_request`` (vllm/v1/engine/async_llm.py).
 """
 
 from __future__ import annotations
