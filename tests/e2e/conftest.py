@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_phases import PHASE_TIMES, PROMPT_LENGTHS, run_phase
+
+from e2e.vllm_phases import PHASE_TIMES, PROMPT_LENGTHS, run_phase
 
 
 @pytest.fixture(scope="session", autouse=True)

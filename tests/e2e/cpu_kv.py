@@ -15,7 +15,7 @@ registers its caches, refusing to run on a mismatch (the "amx" ISA of bf16
 on AMX hosts packs differently, for one).
 
 Use it as the KV connector ``CPUTestLMCacheConnector`` from module
-``cpu_kv`` (this directory on PYTHONPATH): it is vLLM's LMCacheConnectorV1
+``e2e.cpu_kv`` (``tests`` on PYTHONPATH): it is vLLM's LMCacheConnectorV1
 with this connector patched into LMCache first, in whichever process vLLM
 builds it. ``CORRUPT`` (set in that process) makes loads write wrong KV: the
 negative control of the ids check.

@@ -6,14 +6,14 @@ each start is a fresh vLLM, as a restart is). SPEC keys:
 - ``model``: the model directory; ``prompts``: lists of token ids;
   ``max_tokens``: tokens generated greedily per prompt;
 - ``connector``: ``none``, ``inproc`` (LMCache in vLLM's process, its YAML in
-  the environment's LMCACHE_CONFIG_FILE, through :mod:`cpu_kv`) or ``mp``
+  the environment's LMCACHE_CONFIG_FILE, through :mod:`e2e.cpu_kv`) or ``mp``
   (vLLM's LMCacheMPConnector to ``lmcache server`` on ``mp_port``);
 - ``api``: ``llm`` (vLLM's offline LLM) or ``async`` (AsyncLLM, the engine
   of ``vllm serve``: prompts go through ``AsyncLLM._add_request``, where the
   project's vLLM plugin sends arrival hints);
 - ``engine_args``: more keyword arguments of vLLM's engine; ``busy`` (see
   :func:`run_async`);
-- ``negative``: after the run, generate again with :data:`cpu_kv.CORRUPT`
+- ``negative``: after the run, generate again with :data:`e2e.cpu_kv.CORRUPT`
   set (``inproc`` + ``llm`` only);
 - ``out``: where the result JSON goes: ``ids`` (generated token ids per
   prompt), ``cached`` (vLLM's ``num_cached_tokens`` per prompt: tokens it
@@ -74,7 +74,7 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["connector"] == "inproc":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="CPUTestLMCacheConnector",
-            kv_connector_module_path="cpu_kv",
+            kv_connector_module_path="e2e.cpu_kv",
             kv_role="kv_both",
         )
     elif spec["connector"] == "mp":
@@ -139,7 +139,7 @@ def worker_report(_worker: Any = None) -> dict[str, Any]:
 
 
 def set_corrupt(_worker: Any = None) -> bool:
-    import cpu_kv
+    from e2e import cpu_kv  # the module vLLM loaded the connector from
 
     cpu_kv.CORRUPT = True
     return True
@@ -169,21 +169,24 @@ def run_llm(spec: dict[str, Any], sampling: Any) -> dict[str, Any]:
 
 
 async def run_async(spec: dict[str, Any], sampling: Any) -> dict[str, Any]:
-    """With ``busy``, a prompt of that many new tokens runs first and the
-    prompts arrive while it decodes: with ``max_num_seqs`` 1 they wait in
-    vLLM's queue (the case arrival hints are for), each looked up only when
-    the one before it is done."""
+    """With ``busy``, a prompt of that many new tokens decodes first and the
+    prompts arrive while it runs: with ``max_num_seqs`` 1 they wait in
+    vLLM's queue (the case arrival hints are for). Half a second later the
+    busy request is aborted and the prompts are looked up, one after the
+    other."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(spec)))
+    running = asyncio.Event()
 
     async def generate(prompt: list[int], params: Any, request_id: str) -> Any:
         final = None
         async for out in llm.generate(
             {"prompt_token_ids": prompt}, params, request_id=request_id
         ):
+            running.set()
             final = out
         return final
 
@@ -193,14 +196,19 @@ async def run_async(spec: dict[str, Any], sampling: Any) -> dict[str, Any]:
         busy = None
         if spec.get("busy"):
             busy_prompt = [(7 * i) % 1000 + 1 for i in range(spec["busy"])]
-            long = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+            long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
             busy = asyncio.create_task(generate(busy_prompt, long, "busy"))
-            await asyncio.sleep(1.0)  # it is decoding
-        finals = await asyncio.gather(
-            *(generate(p, sampling, f"r{i}") for i, p in enumerate(spec["prompts"]))
-        )
+            await running.wait()  # it is decoding
+        tasks = [
+            asyncio.create_task(generate(p, sampling, f"r{i}"))
+            for i, p in enumerate(spec["prompts"])
+        ]
         if busy is not None:
+            await asyncio.sleep(0.5)
+            assert not busy.done(), "the busy request ended before the prompts came"
+            await llm.abort("busy")
             await busy
+        finals = await asyncio.gather(*tasks)
         result: dict[str, Any] = {
             "ids": [list(f.outputs[0].token_ids) for f in finals],
             "cached": [f.num_cached_tokens for f in finals],

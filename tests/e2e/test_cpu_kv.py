@@ -20,7 +20,7 @@ def naive_read(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, 
 def test_layout_check_passes_on_vllm_and_refuses_a_naive_reading(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import cpu_kv
+    from e2e import cpu_kv
 
     # the live shape: 2 KV heads of 32, blocks of 128 tokens, bf16
     like = torch.zeros(4, 2, 128, 64, dtype=torch.bfloat16)

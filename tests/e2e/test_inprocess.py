@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_phases import (
+
+from e2e.vllm_phases import (
     CHUNK,
     PROMPT_LENGTHS,
     free_port,

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_phases import (
+
+from e2e.vllm_phases import (
     CHUNK,
     CHUNK_COUNT_TIMEOUT_S,
     PHASE_TIMES,

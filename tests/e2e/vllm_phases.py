@@ -56,7 +56,8 @@ def phase_env(**extra: str) -> dict[str, str]:
         VLLM_CPU_KVCACHE_SPACE="1",
         # collective_rpc sends the report functions of phase.py to the worker
         VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-        PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]),
+        # the package e2e: phase.py and the connector (e2e.cpu_kv)
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]),
         LMCACHE_TRACK_USAGE="false",
         VLLM_NO_USAGE_STATS="1",
         TOKENIZERS_PARALLELISM="false",
