@@ -21,8 +21,10 @@ each start is a fresh vLLM, as a restart is). SPEC keys:
   worker, ``inproc`` only), ``events`` (hint and lookup order, ``async``),
   ``ids_corrupt``, ``plugins`` (see :func:`loaded_plugins`).
 
-The process exits through the interpreter's normal exit: LMCache is never
-shut down (vLLM 0.32 does not), which is what the exit flush is for.
+The process leaves through the interpreter's normal exit, its threading
+exit hooks included (the tiered cache's flush among them); LMCache is never
+shut down (vLLM 0.32 does not), so the last hook ends the process (see
+:func:`_exit_after_the_other_hooks`).
 """
 
 from __future__ import annotations
