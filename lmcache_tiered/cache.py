@@ -20,7 +20,10 @@ payload and then its header to a tier; only then does LMCache's
 ``on_complete_callback`` run and ``exists_in_put_tasks`` turn false. An
 acknowledged put survives a crash of the process (``kill -9``) and is served
 after the restart unless capacity evicted it meanwhile; a put not yet
-acknowledged is either lost or served whole, never torn. With
+acknowledged is either lost or served whole, never torn. When the
+interpreter exits, puts still queued are written first (for at most
+``EXIT_FLUSH_S``), even if nobody called :meth:`TieredCache.close`, as vLLM
+0.32 never does (see :func:`_flush_at_exit`). With
 ``tiered.fsync: true`` each write batch is also fdatasync'ed before it is
 acknowledged, so it survives a power loss too. A degraded tier (see
 :mod:`lmcache_tiered.tier`) is skipped: its lookups fall through to the next
@@ -29,12 +32,15 @@ tier and puts go to the tiers that work.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import dataclasses
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -64,6 +70,8 @@ ChangeCallback = Callable[[Sequence[StoreKey]], None]
 #: Most bytes of puts waiting for the writer; beyond it puts are dropped so the
 #: CPU tier, whose buffers the queued puts hold, never fills up behind them.
 MAX_QUEUED_BYTES = 2 << 30
+#: Longest an exiting interpreter waits for the puts still queued (seconds)
+EXIT_FLUSH_S = 30.0
 #: Threads reading the tiers after the first of a demand read (cold, and
 #: other hosts' files in a shared cold tier), each in parallel with the others
 _READ_THREADS = 4
@@ -194,6 +202,7 @@ class TieredCache:
             target=self._write_loop, name="lmcache-tiered-writer", daemon=True
         )
         self._writer.start()
+        _flush_at_exit(self)
         #: reads the other tiers' shares of a demand read while the caller
         #: reads the first one's
         self._reader = ThreadPoolExecutor(
@@ -679,13 +688,29 @@ class TieredCache:
                 if ref is not None:
                     ref.ref_count_down()
 
-    def flush(self) -> None:
-        """Block until every put queued so far is written."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every put queued so far is written, or ``timeout``
+        seconds; False if some were still queued then."""
         if self._closed:
-            return
+            return True
         marker = threading.Event()
         self._queue.put(marker)
-        marker.wait()
+        return marker.wait(timeout)
+
+    def flush_at_exit(self) -> None:
+        """Write the puts still queued, for at most ``EXIT_FLUSH_S``; the
+        interpreter is exiting and close() was not called."""
+        queued = len(self._pending)
+        if self._closed or not queued:
+            return
+        if self.flush(EXIT_FLUSH_S):
+            logger.info("lmcache_tiered: at exit, wrote %d queued puts", queued)
+        else:
+            logger.warning(
+                "lmcache_tiered: at exit, %d puts still queued after %.0f s: lost",
+                len(self._pending),
+                EXIT_FLUSH_S,
+            )
 
     # --------------------------------------------------------------- metrics
 
@@ -721,3 +746,25 @@ class TieredCache:
         self.shared.close()
         for tier in self.tiers.values():
             tier.close()
+
+
+def _flush_at_exit(cache: TieredCache) -> None:
+    """Have ``cache`` write its queued puts when the interpreter exits.
+
+    vLLM 0.32's LMCacheConnectorV1 never shuts LMCache down, so close() never
+    runs and the daemon writer would die with its queue. The hook runs where
+    ``concurrent.futures`` runs its own: in ``threading._register_atexit``,
+    before Python joins non-daemon threads, because LMCache's storage-manager
+    loop thread never ends and an ``atexit`` hook would never be reached.
+    It holds only a weak reference: a closed, dropped cache costs nothing.
+    """
+    ref = weakref.ref(cache)
+
+    def flush() -> None:
+        if (alive := ref()) is not None:
+            alive.flush_at_exit()
+
+    register = getattr(threading, "_register_atexit", atexit.register)
+    with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+        register(flush)
+

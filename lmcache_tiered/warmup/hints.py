@@ -97,12 +97,18 @@ class _HintHandler(BaseHTTPRequestHandler):
 
     def _reply(self, status: HTTPStatus, message: str) -> None:
         body = message.encode()
-        self.send_response(status)
-        if body:
-            self.send_header("Content-Type", "text/plain; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            if body:
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            # a sender that does not wait for the reply (a hint is fire and
+            # forget) is normal: the hint itself was taken
+            self.close_connection = True
+            logger.debug("lmcache_tiered: hint sender left before the reply: %s", exc)
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("lmcache_tiered hint server: " + format, *args)

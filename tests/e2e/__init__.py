@@ -1,0 +1,1 @@
+"""End-to-end tests with a real vLLM (see conftest.py)."""

@@ -1,0 +1,112 @@
+"""Puts still queued when the interpreter exits are written (vLLM 0.32 never
+shuts LMCache down, so TieredCache.close() never runs there).
+
+Each child process queues puts and returns from its main module without
+close() or flush(), with a non-daemon thread that never ends, as LMCache's
+storage-manager loop thread does under vLLM: the hook must run before Python
+joins that thread. The child then hangs as vLLM does; the test kills it once
+it has logged, then reopens the tier in this process.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.tier import Tier
+
+SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
+CHUNKS = 64
+
+CHILD = """
+import logging, sys, threading, time
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache_tiered import cache as cache_module
+from lmcache_tiered.config import TieredConfig
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+path, stuck = sys.argv[1], sys.argv[2] == "stuck"
+config = TieredConfig.from_extra_config(
+    {"tiered.warm.paths": [path], "tiered.warmup.policy": "none"}
+)
+shape = torch.Size(SHAPE)
+allocator = MixedMemoryAllocator(64 << 20)
+cache = cache_module.TieredCache(
+    config, owner="kv-w0", max_payload=shape.numel() * 2, local_workers=1, hot=None
+)
+if stuck:  # a writer that never finishes: the exit wait must be bounded
+    cache_module.EXIT_FLUSH_S = 1.0
+    cache.store = lambda payloads: time.sleep(3600)
+keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(CHUNKS)]
+objs = []
+for i in range(len(keys)):
+    obj = allocator.allocate(shape, torch.bfloat16, MemoryFormat.KV_2LTD)
+    obj.tensor.fill_(i)
+    objs.append(obj)
+cache.put(keys, objs)
+for obj in objs:
+    obj.ref_count_down()
+# LMCache's loop thread: not a daemon, never ends
+threading.Thread(target=threading.Event().wait, daemon=False).start()
+print("queued", flush=True)
+""".replace("SHAPE", repr(tuple(SHAPE))).replace("CHUNKS", str(CHUNKS))
+
+
+def run_child(path: Path, mode: str, expect: str) -> str:
+    """Run the child until its log shows ``expect``, then kill it (it hangs
+    on its never-ending thread, as vLLM does); its log."""
+    log = path.parent / f"{mode}.log"
+    with log.open("wb") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(path), mode], stderr=err
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while expect not in log.read_text() and child.poll() is None:
+                assert time.monotonic() < deadline, log.read_text()[-2000:]
+                time.sleep(0.05)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(30)
+    return log.read_text()
+
+
+def open_tier(path: Path) -> Tier:
+    config = TieredConfig.from_extra_config({"tiered.warm.paths": [str(path)]})
+    return Tier(
+        config.warm,
+        config,
+        owner="kv-w0",
+        max_payload=SHAPE.numel() * 2,
+        capacity_bytes=config.warm.capacity_bytes,
+    )
+
+
+def test_queued_puts_are_written_at_interpreter_exit(tmp_path: Path) -> None:
+    path = tmp_path / "warm"
+    path.mkdir()
+    log = run_child(path, "normal", f"at exit, wrote {CHUNKS} queued puts")
+    tier = open_tier(path)
+    try:
+        stored = sorted(k.chunk_hash for k in tier.stored_keys())
+    finally:
+        tier.close()
+    assert stored == list(range(CHUNKS)), log[-2000:]
+
+
+def test_exit_wait_is_bounded_and_says_what_is_lost(tmp_path: Path) -> None:
+    path = tmp_path / "warm"
+    path.mkdir()
+    started = time.monotonic()
+    log = run_child(path, "stuck", "still queued after 1 s: lost")
+    assert f"at exit, {CHUNKS} puts still queued" in log
+    assert time.monotonic() - started < 30
