@@ -767,4 +767,3 @@ def _flush_at_exit(cache: TieredCache) -> None:
     register = getattr(threading, "_register_atexit", atexit.register)
     with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
         register(flush)
-

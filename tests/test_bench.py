@@ -270,8 +270,45 @@ def test_baseline_gets_local_capacity_only_when_cold_is_remote(
         )
         setup = replay.make_setup(args, replay.load_requests(args))
         assert setup.baseline_disk_gb == (1.0 if remote else 4.0)
-        config = replay.engine_config(replay.LOCAL_DISK, setup, replay._Dirs([], []))
+        config = replay.engine_config(
+            replay.LOCAL_DISK, setup, replay._Dirs([], [], [])
+        )
         assert config.max_local_disk_size == setup.baseline_disk_gb
+
+
+def test_baseline_disk_gives_the_stock_backend_its_own_directories(
+    tmp_path: Path,
+) -> None:
+    """``--baseline-disk`` (e.g. one drive of a rig) is where LocalDiskBackend
+    stores; the plugin's variants keep ``--warm``; the fresh dirs go after."""
+    drives = [tmp_path / f"d{i}" for i in range(3)]
+    for drive in drives:
+        drive.mkdir()
+    warm = ",".join(str(d) for d in drives)
+    args = bench_args(
+        tmp_path,
+        session_trace(tmp_path),
+        "--warm",
+        warm,
+        "--baseline-disk",
+        str(drives[0]),
+    )
+    setup = replay.make_setup(args, replay.load_requests(args))
+    assert setup.baseline_paths == (str(drives[0]),)
+    stock = replay._Dirs.create(setup, replay.LOCAL_DISK)
+    plugin = replay._Dirs.create(setup, "none")
+    try:
+        config = replay.engine_config(replay.LOCAL_DISK, setup, stock)
+        assert config.local_disk == stock.baseline[0]
+        assert Path(stock.baseline[0]).parent == drives[0]
+        assert plugin.baseline == [] and len(plugin.warm) == 3
+    finally:
+        stock.remove()
+        plugin.remove()
+    assert sorted(p.name for d in drives for p in d.iterdir()) == []
+    default_args = bench_args(tmp_path, session_trace(tmp_path), "--warm", warm)
+    default = replay.make_setup(default_args, replay.load_requests(default_args))
+    assert default.baseline_paths == default.warm_paths
 
 
 def test_policies_see_production_seconds(tmp_path: Path) -> None:

@@ -141,6 +141,8 @@ class Setup:
     cold_gb: float
     warm_paths: tuple[str, ...]
     cold_paths: tuple[str, ...]
+    #: where the stock LocalDiskBackend baseline stores (default: warm's)
+    baseline_paths: tuple[str, ...]
     io_engine: str
     cold_link: LinkModel | None
 
@@ -293,6 +295,7 @@ class _Dirs:
 
     warm: list[str]
     cold: list[str]
+    baseline: list[str]
 
     @staticmethod
     def create(setup: Setup, name: str) -> _Dirs:
@@ -302,10 +305,16 @@ class _Dirs:
                 for i, base in enumerate(bases)
             ]
 
-        return _Dirs(fresh(setup.warm_paths, "warm"), fresh(setup.cold_paths, "cold"))
+        return _Dirs(
+            fresh(setup.warm_paths, "warm"),
+            fresh(setup.cold_paths, "cold"),
+            fresh(setup.baseline_paths, "baseline")
+            if name == LOCAL_DISK and setup.baseline_paths != setup.warm_paths
+            else [],
+        )
 
     def remove(self) -> None:
-        for path in self.warm + self.cold:
+        for path in self.warm + self.cold + self.baseline:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -338,7 +347,7 @@ def engine_config(name: str, setup: Setup, dirs: _Dirs) -> LMCacheEngineConfig:
     if policy == LOCAL_DISK:
         return harness.build_config(
             **memory,
-            local_disk=",".join(dirs.warm),
+            local_disk=",".join(dirs.baseline or dirs.warm),
             max_local_disk_size_gb=setup.baseline_disk_gb,
             # O_DIRECT, as the plugin: the page cache must not serve reads
             extra_config={"use_odirect": True},
@@ -894,6 +903,13 @@ def add_parser(subparsers: Any) -> None:
         "the temp directory, or the current one if that is in memory)",
     )
     tiers.add_argument(
+        "--baseline-disk",
+        metavar="DIRS",
+        help="directories of the stock LocalDiskBackend baseline (default: as "
+        "--warm); e.g. one drive of --warm's, to compare LMCache's disk tier on "
+        "one NVMe with the plugin striping over all of them",
+    )
+    tiers.add_argument(
         "--cold",
         metavar="DIRS",
         help="cold tier directories, or 'none' (default: as for --warm)",
@@ -1008,6 +1024,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         cold_gb=args.cold_gb or (2 * unique + staging) / GIB,
         warm_paths=tuple(warm),
         cold_paths=tuple(cold),
+        baseline_paths=tuple(_split(args.baseline_disk) or warm),
         io_engine=args.io_engine,
         cold_link=args.cold_link if cold else None,
     )
@@ -1036,8 +1053,13 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
             f" ({setup.warm_gb:.1f} GiB), cold {cold}, io engine "
             f"{setup.io_engine}{link}; "
             f"concurrency {setup.concurrency}",
-            f"baseline: LMCache LocalDiskBackend on the warm directories, "
-            f"{setup.baseline_disk_gb:.1f} GiB"
+            "baseline: LMCache LocalDiskBackend on "
+            + (
+                "the warm directories, "
+                if setup.baseline_paths == setup.warm_paths
+                else f"{','.join(setup.baseline_paths)}, "
+            )
+            + f"{setup.baseline_disk_gb:.1f} GiB"
             + (" (local NVMe only: the cold tier is remote)" if link else ""),
         ]
     )
@@ -1083,7 +1105,7 @@ def check_space(setup: Setup, requests: list[trace.Request]) -> None:
     removed before the next one starts), spread over its directories.
     """
     distinct = trace.unique_tokens(requests) * setup.shape.bytes_per_token * 1.1
-    for paths in (setup.warm_paths, setup.cold_paths):
+    for paths in (setup.warm_paths, setup.cold_paths, setup.baseline_paths):
         for path in paths:
             need, free = distinct / len(paths), shutil.disk_usage(path).free
             if need > free:
@@ -1229,6 +1251,7 @@ def _config_json(
         "cold_gb": setup.cold_gb,
         "warm_paths": list(setup.warm_paths),
         "cold_paths": list(setup.cold_paths),
+        "baseline_paths": list(setup.baseline_paths),
         "io_engine": setup.io_engine,
         "cold_link": None
         if setup.cold_link is None
