@@ -132,8 +132,15 @@ def contenders(
         )
     check_space(found, stored_bytes)
     if found[-1].location == "rrb":
-        with open(found[-1].extra["rust_raw_block.device_path"], "wb") as f:
-            f.truncate(capacity + meta)
+        device = found[-1].extra["rust_raw_block.device_path"]
+        try:
+            with open(device, "wb") as f:
+                f.truncate(capacity + meta)
+        except OSError as exc:
+            raise StoreFailed(
+                f"rust_raw_block: cannot create its device file {device} of "
+                f"{(capacity + meta) / 1e9:.2f} GB: {exc.strerror or exc}"
+            ) from None
     return found
 
 
