@@ -274,6 +274,11 @@ def test_baseline_gets_local_capacity_only_when_cold_is_remote(
             replay.LOCAL_DISK, setup, replay._Dirs([], [], [])
         )
         assert config.max_local_disk_size == setup.baseline_disk_gb
+    # no cold tier at all: the stock backend gets what the plugin keeps, warm's
+    args = bench_args(
+        tmp_path, trace_path, "--warm-gb", "1", "--cold-gb", "3", "--cold", "none"
+    )
+    assert replay.make_setup(args, replay.load_requests(args)).baseline_disk_gb == 1.0
 
 
 def test_baseline_disk_gives_the_stock_backend_its_own_directories(

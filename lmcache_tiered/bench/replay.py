@@ -156,8 +156,10 @@ class Setup:
         """Capacity of the stock LocalDiskBackend baseline: as much as warm
         and cold together (it never loses a chunk the plugin keeps), but with
         a remote cold tier only the warm tier's: the stock backend has the
-        local NVMe only (the remote tier is what the plugin adds)."""
-        return self.warm_gb + (self.cold_gb if self.cold_link is None else 0.0)
+        local NVMe only (the remote tier is what the plugin adds), and
+        without a cold tier (``--cold none``) the warm tier's."""
+        local_cold = bool(self.cold_paths) and self.cold_link is None
+        return self.warm_gb + (self.cold_gb if local_cold else 0.0)
 
     @property
     def chunk_bytes(self) -> int:
