@@ -1081,6 +1081,8 @@ def compared(setup: Setup, baseline: bool) -> str:
     else:
         tiers = "a warm tier only (--cold none)"
         stock = "the same disk"
+    if setup.baseline_paths != setup.warm_paths:
+        stock = f"on {','.join(setup.baseline_paths)} (--baseline-disk)"
     plugin = f"TieredBackend with each warm-up policy ({tiers})"
     if not baseline:
         return f"{plugin} against its policy none (no warm-up)"
