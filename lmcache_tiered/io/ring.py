@@ -84,36 +84,37 @@ _CQE = struct.Struct("<QiI")
 assert _SQE.size == 64 and _CQE.size == 16
 
 
+def _ring_offsets(*names: str) -> list[tuple[str, type]]:
+    """Fields of io_sqring_offsets/io_cqring_offsets: eight u32, then a u64."""
+    return [(name, ctypes.c_uint32) for name in names] + [
+        ("user_addr", ctypes.c_uint64)
+    ]
+
+
 class _SqOffsets(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_uint32)
-        for name in (
-            "head",
-            "tail",
-            "ring_mask",
-            "ring_entries",
-            "flags",
-            "dropped",
-            "array",
-            "resv1",
-        )
-    ] + [("user_addr", ctypes.c_uint64)]
+    _fields_ = _ring_offsets(
+        "head",
+        "tail",
+        "ring_mask",
+        "ring_entries",
+        "flags",
+        "dropped",
+        "array",
+        "resv1",
+    )
 
 
 class _CqOffsets(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_uint32)
-        for name in (
-            "head",
-            "tail",
-            "ring_mask",
-            "ring_entries",
-            "overflow",
-            "cqes",
-            "flags",
-            "resv1",
-        )
-    ] + [("user_addr", ctypes.c_uint64)]
+    _fields_ = _ring_offsets(
+        "head",
+        "tail",
+        "ring_mask",
+        "ring_entries",
+        "overflow",
+        "cqes",
+        "flags",
+        "resv1",
+    )
 
 
 class _Params(ctypes.Structure):
