@@ -14,7 +14,9 @@ host and process finds the same chunk under the same name: the payload
 size, CRC), written in that order, so a chunk is visible only once whole.
 The header tells a reader the payload's exact size (LMCache's Redis client
 fails a read into a buffer of another size) and its CRC, checked on every
-read: bytes that are not the ones written are a miss, never served.
+read: bytes that are not the ones written are a miss, never served. Reads
+follow LMCache's own protocol, lookup-and-lock, load what was found, unlock:
+its Redis client drops the connection on a read of a missing key.
 
 What this process knows is stored (headers it wrote or read) is kept in a
 bounded index, so the cache's many per-key questions cost no round trip;
@@ -374,14 +376,26 @@ class AdapterTier:
 
     def _load(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> list[bool]:
         """Load ``keys`` into ``buffers`` (exact sizes); per key whether it
-        landed. Misses when degraded or when the store fails."""
+        landed. As LMCache's controllers do: look up and lock, load what was
+        found, unlock (LMCache's Redis client drops its connection on a read
+        of a missing key). Misses when degraded or when the store fails."""
         adapter = self._adapter
+        landed = [False] * len(keys)
         if adapter is None or self.degraded is not None:
-            return [False] * len(keys)
+            return landed
         objs = [flat_memory_obj(b) for b in buffers]
+        found: list[int] = []
         try:
-            task = adapter.submit_load_task(keys, objs)
-            bitmap = self._wait(lambda: adapter.query_load_result(task), objs)
+            task = adapter.submit_lookup_and_lock_task(keys, {})
+            held = self._wait(lambda: adapter.query_lookup_and_lock_result(task), [])
+            found = [i for i in range(len(keys)) if held.test(i)]
+            if found:
+                task = adapter.submit_load_task(
+                    [keys[i] for i in found], [objs[i] for i in found]
+                )
+                bitmap = self._wait(lambda: adapter.query_load_result(task), objs)
+                for n, i in enumerate(found):
+                    landed[i] = bool(bitmap.test(n))
         except _Broken as exc:
             self._degrade(str(exc))
             return [False] * len(keys)
@@ -389,8 +403,11 @@ class AdapterTier:
             logger.exception("lmcache_tiered: store load failed")
             self._failed()
             return [False] * len(keys)
+        finally:
+            if found:
+                adapter.submit_unlock([keys[i] for i in found])
         self._failures = 0
-        return [bool(bitmap.test(i)) for i in range(len(keys))]
+        return landed
 
     def _store(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> bool:
         adapter = self._adapter

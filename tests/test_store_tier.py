@@ -16,11 +16,16 @@ from typing import Any
 import pytest
 import torch
 from conftest import cache_of, wait_until
+from test_mp import CHUNK as MP_CHUNK
+from test_mp import SLOT, Caller, memory_obj, okey, params
 
 from lmcache_tiered import adapter_tier
+from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.bench import harness
 from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.keys import key_digest
+from lmcache_tiered.mp import TieredL2Adapter
 
 CHUNK = 256
 CHUNK_BYTES = 256 * 1024  # the harness's tiny model
@@ -67,13 +72,16 @@ class Redis:
             self.proc.wait()
             self.proc = None
 
-    def keys(self) -> list[str]:
-        out = subprocess.run(
-            ["redis-cli", "-p", str(self.port), "--raw", "keys", "*"],
+    def cli(self, *args: str) -> str:
+        return subprocess.run(
+            ["redis-cli", "-p", str(self.port), "--raw", *args],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
+
+    def keys(self) -> list[str]:
+        out = self.cli("keys", "*")
         return [k for k in out.split() if k.startswith(adapter_tier.NAMESPACE)]
 
     @property
@@ -276,3 +284,56 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     out, mask = harness.retrieve_tokens(engine, third, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)
     assert cold.stats.degradations >= 1
+
+
+def test_multi_process_adapter_over_redis(tmp_path: Path, redis: Redis) -> None:
+    """MP mode (``cold.adapter`` in adapter_params): a server with two warm
+    slots demotes to Redis; a second server with an empty warm tier loads
+    those chunks byte-identical from it."""
+
+    def server(name: str) -> TieredL2Adapter:
+        warm = tmp_path / name
+        warm.mkdir()
+        return TieredL2Adapter(
+            params(
+                [warm],
+                **{
+                    "slot_mb": MP_CHUNK / 2**20,
+                    "warm.capacity_gb": 2 * SLOT / 2**30,
+                    "cold.adapter": redis.adapter,
+                },
+            )
+        )
+
+    keys = [okey(i) for i in range(6)]
+    src = [memory_obj(seed=i) for i in range(6)]
+    first = server("a")
+    try:
+        assert first.get_memory_tags() == l2_memory_tags(remote=True)
+        caller = Caller(first)
+        for i in range(0, 6, 2):
+            assert caller.store(keys[i : i + 2], src[i : i + 2])
+        assert len(redis.keys()) == 4 * 2
+    finally:
+        first.close()
+    second = server("b")
+    try:
+        caller = Caller(second)
+        assert caller.lookup(keys) == list(range(4))
+        dst = [memory_obj() for _ in range(4)]
+        assert caller.load(keys[:4], dst) == list(range(4))
+        assert all(
+            torch.equal(a.tensor, b.tensor) for a, b in zip(src[:4], dst, strict=True)
+        )
+        second.submit_unlock(keys[:4])
+        status = second.report_status()["tiers"]["cold"]
+        assert status["engine"] == "l2:resp" and status["hits"] == 4
+        # the store evicting a payload on its own: a miss, the rest served
+        victim = key_digest(keys[0]).hex()
+        assert redis.cli("del", f"{adapter_tier.NAMESPACE}@00000000@0@{victim}")
+        second.cache.tiers["warm"].remove(keys[0])
+        dst = [memory_obj() for _ in range(4)]
+        assert caller.load(keys[:4], dst) == [1, 2, 3]
+        assert second.cache.tier_of(keys[0]) is None
+    finally:
+        second.close()
