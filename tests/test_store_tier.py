@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -337,3 +338,35 @@ def test_multi_process_adapter_over_redis(tmp_path: Path, redis: Redis) -> None:
         assert second.cache.tier_of(keys[0]) is None
     finally:
         second.close()
+
+
+def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGSTOP: LMCache's client then leaves operations pending forever; we
+    wait at most TIMEOUT_S, keep their buffers, and rebuild the adapter once
+    the server runs again (its data intact)."""
+    monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
+    monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
+    engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
+    first, first_kv = store(engine, connector, 2, seed=1)
+    store(engine, connector, 2, seed=11)
+    cold = cache.tiers["cold"]
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        harness.clear_cpu_tier(engine)
+        started = time.monotonic()
+        out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+        assert time.monotonic() - started < 2 * adapter_tier.TIMEOUT_S + 5
+        assert int(mask.sum()) == 0
+        assert cold.degraded is not None
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: cold.degraded is None, timeout=20)
+    assert harness.lookup(engine, first) == 2 * CHUNK  # rediscovered
+    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
