@@ -189,10 +189,12 @@ class AdapterTier:
             gone = self._index.pop(digest, None) is not None
         adapter = self._adapter
         if gone and adapter is not None:
-            try:
-                adapter.delete([_object_key(digest, _HEADER)])
-            except Exception:
-                logger.exception("lmcache_tiered: store delete failed")
+            # header first, so the chunk is invisible before its payload goes;
+            # on a thread of its own: LMCache's native adapters block up to 30 s
+            objects = [_object_key(digest, _HEADER), _object_key(digest, _PAYLOAD)]
+            threading.Thread(
+                target=_delete, args=(adapter, objects), daemon=True
+            ).start()
         return gone
 
     def victims(self, count: int) -> list[StoreKey]:
@@ -506,6 +508,13 @@ class AdapterTier:
         adapter, self._adapter = self._adapter, None
         if adapter is not None:
             _close_later(adapter).join(TIMEOUT_S)
+
+
+def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
+    try:
+        adapter.delete(objects)
+    except Exception:
+        logger.exception("lmcache_tiered: store delete failed")
 
 
 def _close_later(adapter: L2AdapterInterface) -> threading.Thread:
