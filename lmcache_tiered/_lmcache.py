@@ -27,7 +27,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lmcache.v1.memory_management import TensorMemoryObj
+from lmcache.v1.memory_management import (
+    MemoryFormat,
+    MemoryObjMetadata,
+    TensorMemoryObj,
+)
 
 __all__ = [
     "ChunkedTokenDatabase",
@@ -40,9 +44,11 @@ __all__ = [
     "PinMonitor",
     "RUST_RAW_BLOCK_EXTENSION",
     "StorageManager",
+    "build_l2_adapter",
     "cpu_pool_buffer",
     "cpu_pool_bytes",
     "engine_instances",
+    "flat_memory_obj",
     "l2_memory_tags",
     "mock_up_broadcast_fn",
     "mock_up_broadcast_object_fn",
@@ -279,3 +285,37 @@ except ImportError:  # lmcache 0.5.6
     def l2_memory_tags(remote: bool) -> Any:
         """LMCache's tags for a storage medium, local or remote."""
         return _MemoryTags("storage", "remote" if remote else "local")
+
+
+# ------------------------------------------------------ LMCache's L2 adapters
+
+
+def build_l2_adapter(spec: str) -> Any:
+    """An L2 adapter built from ``spec``, the JSON ``lmcache server
+    --l2-adapter`` takes, by LMCache's own parser and factory (the cold tier
+    on a store, :mod:`lmcache_tiered.adapter_tier`). ValueError for a spec
+    LMCache refuses; the adapter's own errors (an unreachable S3 endpoint,
+    a missing client library) as raised."""
+    import argparse
+
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import (
+        parse_args_to_l2_adapters_config,
+    )
+
+    parsed = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
+    return create_l2_adapter(parsed.adapters[0], None)
+
+
+def flat_memory_obj(data: torch.Tensor) -> TensorMemoryObj:
+    """A MemoryObj over a flat ``uint8`` CPU tensor with no allocator (never
+    freed by LMCache): the buffer an L2 adapter reads or writes."""
+    meta = MemoryObjMetadata(
+        shape=torch.Size([data.numel()]),
+        dtype=torch.uint8,
+        address=0,
+        phy_size=data.numel(),
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+    )
+    return TensorMemoryObj(data, meta, parent_allocator=None)

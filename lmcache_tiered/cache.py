@@ -45,12 +45,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered._lmcache import cpu_pool_bytes
+from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey, key_digest
@@ -178,11 +179,19 @@ class TieredCache:
                 )
                 self.tiers[name] = tier
                 tier.on_evict = self._evicted_from(name)
+            #: the cold tier on a store (tiered.cold.adapter), if configured
+            self.store_tier: AdapterTier | None = None
+            if settings.cold_adapter is not None:
+                self.store_tier = AdapterTier(settings, max_payload=max_payload)
+                # it has the surface of a Tier the cache and promoter use
+                self.tiers["cold"] = cast(Tier, self.store_tier)
             self.chains = ChainIndex()
             self.policy = self._load_policy()
             # last: its thread must not outlive a constructor that failed
             self.shared = SharedCold(
-                self.tiers.get("cold"), settings, max_payload=max_payload
+                None if self.store_tier is not None else self.tiers.get("cold"),
+                settings,
+                max_payload=max_payload,
             )
         except BaseException:
             for tier in self.tiers.values():
@@ -319,6 +328,9 @@ class TieredCache:
         misses and are left alone. The policy sees the whole lookup, with the
         leading run of hits as the prefix found: lookups are its signal."""
         held = [False] * len(keys)
+        if self.store_tier is not None:
+            # chunks other hosts or processes put in the store: one round trip
+            self.store_tier.discover([k for k in keys if self.warm.header(k) is None])
         by_tier: dict[TierName, list[StoreKey]] = {}
         for i, key in enumerate(keys):
             tier = self.tier_of(key)

@@ -9,6 +9,7 @@ error, so the backend also logs these at ERROR before re-raising.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import re
@@ -48,6 +49,26 @@ def _parse_paths(key: str, value: Any) -> tuple[str, ...]:
     if len(set(paths)) != len(paths):
         raise ConfigError(f"{key}: a directory is listed twice: {list(paths)}")
     return paths
+
+
+def _parse_adapter(key: str, value: Any) -> dict[str, Any]:
+    """The adapter spec of ``tiered.cold.adapter``: a JSON object (text, or a
+    mapping from YAML) with a ``type``; ConfigError otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"{key}: not valid JSON ({exc}); give the JSON LMCache's "
+                """--l2-adapter takes, e.g. {"type": "resp", "host": "127.0.0.1", """
+                '"port": 6379}'
+            ) from None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ConfigError(
+            f'{key}: expected a JSON object with a "type" (an LMCache L2 adapter '
+            f"type such as resp, valkey, s3, mooncake_store, fs), got {value!r}"
+        )
+    return dict(value)
 
 
 def _parse_float(key: str, value: Any) -> float:
@@ -175,6 +196,11 @@ SETTINGS: dict[str, Setting] = {
     "cold.paths": Setting(
         _parse_paths, None, "directories of the cold tier (NVMe-oF, shared FS)"
     ),
+    "cold.adapter": Setting(
+        _parse_adapter,
+        None,
+        "instead of cold.paths: a store, as the JSON of LMCache's --l2-adapter",
+    ),
     "cold.capacity_gb": Setting(
         _positive(_parse_float), 1000.0, "cap on bytes stored by the cold tier"
     ),
@@ -269,6 +295,8 @@ class TieredConfig:
 
     warm: TierSettings
     cold: TierSettings | None = None
+    #: the cold tier on a store instead: LMCache's ``--l2-adapter`` JSON
+    cold_adapter: Mapping[str, Any] | None = None
     io_engine: str = "auto"
     queue_depth: int = 64
     stripe_bytes: int = 1 << 20
@@ -331,6 +359,11 @@ class TieredConfig:
                 f"got {stripe_kb}"
             )
         warm = _tier("warm", values)
+        if values["cold.paths"] is not None and values["cold.adapter"] is not None:
+            raise ConfigError(
+                f"{PREFIX}cold.paths and {PREFIX}cold.adapter are both set: the cold "
+                "tier is either files or a store; remove one"
+            )
         cold = _tier("cold", values) if values["cold.paths"] is not None else None
         for path in cold.paths if cold is not None else ():
             if (pair := same_directory((*warm.paths, path))) is not None:
@@ -342,6 +375,7 @@ class TieredConfig:
         return TieredConfig(
             warm=warm,
             cold=cold,
+            cold_adapter=values["cold.adapter"],
             io_engine=values["io_engine"],
             queue_depth=values["queue_depth"],
             stripe_bytes=stripe_kb * 1024,

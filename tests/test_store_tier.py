@@ -1,0 +1,376 @@
+"""The cold tier on a real store: Redis (Debian's redis-server) through
+LMCache's own ``resp`` L2 adapter, behind a real LMCache engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import cache_of, wait_until
+from test_mp import CHUNK as MP_CHUNK
+from test_mp import SLOT, Caller, memory_obj, okey, params
+
+from lmcache_tiered import adapter_tier
+from lmcache_tiered._lmcache import l2_memory_tags
+from lmcache_tiered.adapter_tier import AdapterTier
+from lmcache_tiered.bench import harness
+from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.keys import key_digest
+from lmcache_tiered.mp import TieredL2Adapter
+
+CHUNK = 256
+CHUNK_BYTES = 256 * 1024  # the harness's tiny model
+TWO_CHUNKS_GB = 2 * (CHUNK_BYTES + 4096) / 2**30
+EngineFactory = Callable[..., Any]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None,
+    reason="redis-server is not installed (apt-get install redis-server; "
+    ".ci/run installs it)",
+)
+
+
+class Redis:
+    """A redis-server of our own on a free loopback port, no persistence."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+            + ["--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(self._answers, timeout=10)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def cli(self, *args: str) -> str:
+        return subprocess.run(
+            ["redis-cli", "-p", str(self.port), "--raw", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    def objects(self) -> list[str]:
+        out = self.cli("keys", "*")
+        return [k for k in out.split() if k.startswith(adapter_tier.NAMESPACE)]
+
+    @property
+    def adapter(self) -> str:
+        return json.dumps(
+            {"type": "resp", "host": "127.0.0.1", "port": self.port, "num_workers": 2}
+        )
+
+
+@pytest.fixture
+def redis() -> Iterator[Redis]:
+    server = Redis()
+    yield server
+    server.stop()
+
+
+def store_engine(
+    engine_factory: EngineFactory, warm: Path, redis: Redis, **settings: Any
+) -> tuple[Any, Any, Any]:
+    warm.mkdir(exist_ok=True)
+    extra = {
+        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+        "storage_plugin.tiered.class_name": "TieredBackend",
+        "tiered.warm.paths": [str(warm)],
+        "tiered.warm.capacity_gb": TWO_CHUNKS_GB,
+        "tiered.warmup.policy": "none",
+        "tiered.cold.adapter": redis.adapter,
+    }
+    extra.update({f"tiered.{k}": v for k, v in settings.items()})
+    engine, connector = engine_factory(extra, chunk_size=CHUNK)
+    return engine, connector, cache_of(engine)
+
+
+def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, Any]:
+    tokens = harness.make_tokens(n_chunks * CHUNK, seed=seed)
+    kv = harness.make_kv(connector, n_chunks * CHUNK, seed=seed + 1)
+    harness.store_tokens(engine, tokens, kv)
+    cache_of(engine).flush()
+    return tokens, kv
+
+
+def test_config_refuses_both_cold_tiers_and_bad_json(tmp_path: Path) -> None:
+    base = {"tiered.warm.paths": [str(tmp_path)]}
+    with pytest.raises(ConfigError, match="cold.paths and tiered.cold.adapter"):
+        TieredConfig.from_extra_config(
+            base
+            | {
+                "tiered.cold.paths": [str(tmp_path)],
+                "tiered.cold.adapter": '{"type": "resp"}',
+            }
+        )
+    with pytest.raises(ConfigError, match="cold.adapter: not valid JSON"):
+        TieredConfig.from_extra_config(base | {"tiered.cold.adapter": "{type: resp"})
+    with pytest.raises(ConfigError, match='with a "type"'):
+        TieredConfig.from_extra_config(base | {"tiered.cold.adapter": "[1]"})
+    # LMCache's own checks of the adapter's fields, named after our setting
+    settings = TieredConfig.from_extra_config(
+        base | {"tiered.cold.adapter": {"type": "resp", "host": "h", "port": -1}}
+    )
+    with pytest.raises(ConfigError, match="tiered.cold.adapter: .*port"):
+        AdapterTier(settings, max_payload=4096)
+
+
+def test_warm_too_small_demotes_to_redis_and_a_new_cache_is_served_from_it(
+    engine_factory: EngineFactory, tmp_path: Path, redis: Redis
+) -> None:
+    engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
+    first, first_kv = store(engine, connector, 2, seed=1)
+    second, second_kv = store(engine, connector, 2, seed=11)
+    first_keys = harness.chunk_keys(engine, first)
+    # warm holds two chunks: the second request's demoted the first's to Redis
+    assert [cache.tier_of(k) for k in first_keys] == ["cold", "cold"]
+    assert len(redis.objects()) == 2 * 2  # payload and header of each
+    cold = cache.tiers["cold"]
+    assert cold.engine.name == "l2:resp"
+    harness.clear_cpu_tier(engine)
+    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
+    assert cold.stats.hits == 2
+    cache.flush()  # cold hits are copied to warm, demoting the second pair
+    assert [cache.tier_of(k) for k in first_keys] == ["warm", "warm"]
+    snapshot = cache.snapshot()["tiers"]["cold"]
+    assert snapshot["puts"] == 4 and snapshot["hits"] == 2
+    harness.destroy_all_engines()
+
+    # a new cache with an empty warm tier finds them all in Redis
+    engine, connector, cache = store_engine(engine_factory, tmp_path / "b", redis)
+    assert harness.lookup(engine, second) == 2 * CHUNK
+    out, mask = harness.retrieve_tokens(engine, second, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, second_kv)
+    cache.flush()
+    keys = harness.chunk_keys(engine, second)
+    assert [cache.warm.header(k) is not None for k in keys] == [True, True]
+    assert cache.tiers["cold"].stats.hits == 2
+
+
+def test_write_through_puts_every_chunk_in_redis(
+    engine_factory: EngineFactory, tmp_path: Path, redis: Redis
+) -> None:
+    engine, connector, cache = store_engine(
+        engine_factory,
+        tmp_path / "a",
+        redis,
+        **{"cold.write": "through", "warm.capacity_gb": 0.25},
+    )
+    tokens, _ = store(engine, connector, 3, seed=2)
+    for key in harness.chunk_keys(engine, tokens):
+        assert cache.warm.header(key) is not None
+        assert cache.tiers["cold"].header(key) is not None
+    assert len(redis.objects()) == 3 * 2
+
+
+_HOST = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import cache_of
+from lmcache_tiered.bench import harness
+extra = {{
+    "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+    "storage_plugin.tiered.class_name": "TieredBackend",
+    "tiered.warm.paths": [{warm!r}], "tiered.warmup.policy": "none",
+    "tiered.cold.adapter": {adapter!r}, "tiered.cold.write": "through",
+    "tiered.host_id": {host!r},
+}}
+cfg = harness.build_config(extra_config=extra, storage_plugins=["tiered"])
+engine, connector = harness.build_engine(cfg)
+tokens = harness.make_tokens(3 * 256, seed=7)
+kv = harness.make_kv(connector, 3 * 256, seed=8)
+if {role!r} == "writer":
+    harness.store_tokens(engine, tokens, kv)
+    cache_of(engine).flush()
+    print("stored")
+else:
+    hits = harness.lookup(engine, tokens)
+    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    cold = cache_of(engine).tiers["cold"].stats
+    print("hits", hits, int(mask.sum()), torch.equal(out, kv), cold.hits)
+harness.destroy_all_engines()
+"""
+
+
+def test_two_hosts_share_the_store(tmp_path: Path, redis: Redis) -> None:
+    """Two processes with different host ids: one stores, the other serves."""
+
+    def host(role: str, name: str) -> str:
+        warm = tmp_path / name
+        warm.mkdir()
+        script = _HOST.format(
+            tests=str(Path(__file__).parent),
+            warm=str(warm),
+            adapter=redis.adapter,
+            host=name,
+            role=role,
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    assert host("writer", "host-a") == "stored"
+    assert host("reader", "host-b") == f"hits {3 * CHUNK} {3 * CHUNK} True 3"
+
+
+def test_redis_going_away_degrades_to_misses_and_recovers(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
+    monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
+    engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
+    first, first_kv = store(engine, connector, 2, seed=1)
+    store(engine, connector, 2, seed=11)
+    cold = cache.tiers["cold"]
+    assert [cache.tier_of(k) for k in harness.chunk_keys(engine, first)] == [
+        "cold",
+        "cold",
+    ]
+    redis.stop()
+    harness.clear_cpu_tier(engine)
+    started = time.monotonic()
+    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    # never a hang, never wrong bytes: the cold chunks are misses
+    assert time.monotonic() - started < 2 * adapter_tier.TIMEOUT_S + 5
+    assert int(mask.sum()) == 0
+    wait_until(lambda: cold.degraded is not None, timeout=15)
+    assert harness.lookup(engine, first) == 0
+    redis.start()  # back, empty
+    wait_until(lambda: cold.degraded is None, timeout=20)
+    third, third_kv = store(engine, connector, 2, seed=21)
+    store(engine, connector, 2, seed=31)  # demotes the third pair to Redis
+    keys = harness.chunk_keys(engine, third)
+    assert [cache.tier_of(k) for k in keys] == ["cold", "cold"]
+    harness.clear_cpu_tier(engine)
+    out, mask = harness.retrieve_tokens(engine, third, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)
+    assert cold.stats.degradations >= 1
+
+
+def test_multi_process_adapter_over_redis(tmp_path: Path, redis: Redis) -> None:
+    """MP mode (``cold.adapter`` in adapter_params): a server with two warm
+    slots demotes to Redis; a second server with an empty warm tier loads
+    those chunks byte-identical from it."""
+
+    def server(name: str) -> TieredL2Adapter:
+        warm = tmp_path / name
+        warm.mkdir()
+        return TieredL2Adapter(
+            params(
+                [warm],
+                **{
+                    "slot_mb": MP_CHUNK / 2**20,
+                    "warm.capacity_gb": 2 * SLOT / 2**30,
+                    "cold.adapter": redis.adapter,
+                },
+            )
+        )
+
+    keys = [okey(i) for i in range(6)]
+    src = [memory_obj(seed=i) for i in range(6)]
+    first = server("a")
+    try:
+        assert first.get_memory_tags() == l2_memory_tags(remote=True)
+        caller = Caller(first)
+        for i in range(0, 6, 2):
+            assert caller.store(keys[i : i + 2], src[i : i + 2])
+        assert len(redis.objects()) == 4 * 2
+    finally:
+        first.close()
+    second = server("b")
+    try:
+        caller = Caller(second)
+        assert caller.lookup(keys) == list(range(4))
+        dst = [memory_obj() for _ in range(4)]
+        assert caller.load(keys[:4], dst) == list(range(4))
+        assert all(
+            torch.equal(a.tensor, b.tensor) for a, b in zip(src[:4], dst, strict=True)
+        )
+        second.submit_unlock(keys[:4])
+        status = second.report_status()["tiers"]["cold"]
+        assert status["engine"] == "l2:resp" and status["hits"] == 4
+        # the store evicting a payload on its own: a miss, the rest served
+        victim = key_digest(keys[0]).hex()
+        assert redis.cli("del", f"{adapter_tier.NAMESPACE}@00000000@0@{victim}")
+        second.cache.tiers["warm"].remove(keys[0])
+        dst = [memory_obj() for _ in range(4)]
+        assert caller.load(keys[:4], dst) == [1, 2, 3]
+        assert second.cache.tier_of(keys[0]) is None
+        # LMCache's L2 eviction deletes a chunk: gone from the store too
+        second.delete([keys[1]])
+        gone = key_digest(keys[1]).hex()
+        wait_until(lambda: not any(k.endswith(gone) for k in redis.objects()))
+    finally:
+        second.close()
+
+
+def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGSTOP: LMCache's client then leaves operations pending forever; we
+    wait at most TIMEOUT_S, keep their buffers, and rebuild the adapter once
+    the server runs again (its data intact)."""
+    monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
+    monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
+    engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
+    first, first_kv = store(engine, connector, 2, seed=1)
+    store(engine, connector, 2, seed=11)
+    cold = cache.tiers["cold"]
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        harness.clear_cpu_tier(engine)
+        started = time.monotonic()
+        out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+        assert time.monotonic() - started < 2 * adapter_tier.TIMEOUT_S + 5
+        assert int(mask.sum()) == 0
+        assert cold.degraded is not None
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: cold.degraded is None, timeout=20)
+    assert harness.lookup(engine, first) == 2 * CHUNK  # rediscovered
+    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
