@@ -54,6 +54,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import harness, report, trace
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -143,6 +144,8 @@ class Setup:
     cold_paths: tuple[str, ...]
     io_engine: str
     cold_link: LinkModel | None
+    #: vLLM's GPU prefix cache in front of every variant (tokens; 0: none)
+    gpu_kv_tokens: int = 0
 
     @property
     def clock(self) -> float:
@@ -417,10 +420,15 @@ def build_variant(
 
 
 def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunResult:
-    """Replay the workload on a fresh engine and fresh directories."""
+    """Replay the workload on a fresh engine and fresh directories
+    (``no_external_cache``: no engine, vLLM's GPU prefix cache only)."""
     dirs = _Dirs.create(setup, name)
     try:
-        engine, backend = build_variant(name, setup, dirs)
+        engine, backend = (
+            (None, None)
+            if policy_of(name) == NO_EXTERNAL_CACHE
+            else build_variant(name, setup, dirs)
+        )
         progress = report.Progress(label, len(workload.requests))
         try:
             started = time.monotonic()
@@ -428,11 +436,13 @@ def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunR
             records = replay.run()
             wall = time.monotonic() - started
             result = _result(name, setup, records, backend, wall, replay.lag_max)
+            result.backend_metrics["gpu_prefix_cache"] = replay.gpu_cache.metrics()
         except BaseException:
             progress.close("failed")
             raise
         finally:
-            harness.destroy_engine(engine)
+            if engine is not None:
+                harness.destroy_engine(engine)
         progress.close(f"done in {wall:.0f}s")
         return result
     finally:
@@ -479,6 +489,10 @@ class _Live:
     loaded: float = 0.0
     #: tier of each chunk the lookup found, in prefix order
     hits: list[str] = field(default_factory=list)
+    #: prompt tokens vLLM's GPU prefix cache held
+    gpu_cached: int = 0
+    #: prompt tokens LMCache loaded (past the GPU's share, chunk-aligned)
+    loaded_tokens: int = 0
     cached: int = 0
     #: prompt tokens computed so far (cached ones included)
     computed: int = 0
@@ -501,7 +515,7 @@ class Replay:
         self,
         setup: Setup,
         workload: Workload,
-        engine: LMCacheEngine,
+        engine: LMCacheEngine | None,
         backend: TieredBackend | None,
         name: str,
         progress: report.Progress,
@@ -532,7 +546,8 @@ class Replay:
         self.finished = 0
         self.failure: BaseException | None = None
         self.hints = hint_forwarder(backend)
-        self.copies = GpuCopies(engine, setup)
+        self.copies = None if engine is None else GpuCopies(engine, setup)
+        self.gpu_cache = GpuPrefixCache(setup.gpu_kv_tokens)
         self.start = 0.0
         self.gpu = 0.0
         self.lag_max = 0.0
@@ -574,13 +589,22 @@ class Replay:
         """Real LMCache calls block the GPU for as long as they take, their
         GPU copies for as long as the modelled link takes."""
         began = self.now()
-        measured, modelled = self.copies.measured_s, self.copies.modelled_s
+        copies = self.copies
+        measured, modelled = (
+            (0.0, 0.0)
+            if copies is None
+            else (
+                copies.measured_s,
+                copies.modelled_s,
+            )
+        )
         try:
             yield
         finally:
             elapsed = self.now() - began
-            copies = self.copies.modelled_s - modelled
-            self.gpu += elapsed - (self.copies.measured_s - measured) + copies
+            if copies is not None:
+                elapsed += copies.modelled_s - modelled - (copies.measured_s - measured)
+            self.gpu += elapsed
 
     # -------------------------------------------------------------- frontend
 
@@ -629,12 +653,18 @@ class Replay:
         # the step cannot start before its requests arrived (the GPU clock
         # may lag the wall clock a little)
         self.gpu = max(self.gpu, *(live.arrival for live in admitted))
+        for live in admitted:
+            live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
+                self.requests[live.index]
+            )
         with self._real_work():
             for live in admitted:
                 live.scheduled = self.gpu
-                live.hits = self._lookup(live)
+                if self.engine is not None:
+                    live.hits = self._lookup(live)
             for live in admitted:
-                self._retrieve(live)
+                if self.engine is not None:
+                    self._retrieve(live)
         for live in admitted:
             live.loaded = self.gpu
         self.prefilling.extend(admitted)
@@ -644,6 +674,7 @@ class Replay:
 
     def _lookup(self, live: _Live) -> list[str]:
         """LMCache lookup with pins; the tier of each hit chunk, prefix order."""
+        assert self.engine is not None
         lookup_id = self._lookup_id(live)
         self.engine.lookup(
             self.workload.tokens[live.index], lookup_id=lookup_id, pin=True
@@ -664,15 +695,28 @@ class Replay:
         return (cache and cache.where(key)) or "warm"
 
     def _retrieve(self, live: _Live) -> None:
-        """Load the hit prefix (the worker's blocking load), then unpin."""
+        """Load the hit prefix past what the GPU holds (the worker's blocking
+        load; vLLM's connector masks the GPU's share, chunk-aligned), then
+        unpin."""
+        assert self.engine is not None
         tokens = self.workload.tokens[live.index]
         hit_tokens = min(len(live.hits) * CHUNK_TOKENS, len(tokens))
+        skip = live.gpu_cached // CHUNK_TOKENS * CHUNK_TOKENS
         lookup_id = self._lookup_id(live)
-        if hit_tokens:
-            mask = self.engine.retrieve(
-                tokens[:hit_tokens], kvcaches=self.workload.kv, req_id=lookup_id
+        if hit_tokens > max(skip, live.gpu_cached):
+            mask = torch.ones(hit_tokens, dtype=torch.bool)
+            mask[:skip] = False
+            loaded = self.engine.retrieve(
+                tokens[:hit_tokens],
+                mask=mask,
+                kvcaches=self.workload.kv,
+                req_id=lookup_id,
             )
-            live.cached = live.computed = int(mask.sum())
+            live.loaded_tokens = int(loaded.sum())
+            if live.loaded_tokens:
+                live.cached = live.computed = max(
+                    live.gpu_cached, skip + live.loaded_tokens
+                )
         self.engine.lookup_unpin(lookup_id)
 
     # ----------------------------------------------------------------- steps
@@ -705,9 +749,10 @@ class Replay:
     def _prefilled(self, live: _Live) -> None:
         """Store the new KV (what vLLM's LMCache connector saves), first token."""
         self.prefilling.remove(live)
+        self.gpu_cache.hold(self.requests[live.index])
         tokens = self.workload.tokens[live.index]
         skip = live.cached // CHUNK_TOKENS * CHUNK_TOKENS
-        if len(tokens) - skip >= CHUNK_TOKENS:
+        if self.engine is not None and len(tokens) - skip >= CHUNK_TOKENS:
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[:skip] = False
             with self._real_work():
@@ -766,7 +811,10 @@ class Replay:
 
     def _finish(self, live: _Live) -> None:
         request = self.requests[live.index]
-        served = math.ceil(live.cached / CHUNK_TOKENS)
+        self.gpu_cache.release(request)
+        on_gpu = live.gpu_cached // CHUNK_TOKENS
+        loaded = on_gpu + math.ceil(live.loaded_tokens / CHUNK_TOKENS)
+        gpu = {"gpu": on_gpu} if on_gpu else {}
         self.records[live.index] = RequestRecord(
             arrival=live.arrival,
             scheduled=live.scheduled,
@@ -776,8 +824,8 @@ class Replay:
             input_length=request.input_length,
             output_length=request.output_length,
             prompt_chunks=math.ceil(request.input_length / CHUNK_TOKENS),
-            found=dict(Counter(live.hits)),
-            served=dict(Counter(live.hits[:served])),
+            found=gpu | dict(Counter(live.hits[on_gpu:])),
+            served=gpu | dict(Counter(live.hits[on_gpu:loaded])),
         )
         with self.cond:
             for index in self.followers.get(live.index, ()):
@@ -866,7 +914,16 @@ def add_parser(subparsers: Any) -> None:
     tiers.add_argument(
         "--no-baseline",
         action="store_true",
-        help=f"skip the stock LocalDiskBackend baseline ({LOCAL_DISK})",
+        help=f"skip the baselines: LMCache's stock LocalDiskBackend ({LOCAL_DISK}) "
+        f"and vLLM's GPU prefix cache alone ({NO_EXTERNAL_CACHE})",
+    )
+    tiers.add_argument(
+        "--gpu-kv-gb",
+        type=float,
+        metavar="GB",
+        help="HBM per rank for vLLM's KV cache, its GPU prefix cache in front "
+        "of every variant, in production GB; 0: none (default: the profile's "
+        "budget, 0.9 x GPU memory - weights - activations)",
     )
     tiers.add_argument(
         "--hot-gb",
@@ -1010,7 +1067,18 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         cold_paths=tuple(cold),
         io_engine=args.io_engine,
         cold_link=args.cold_link if cold else None,
+        gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
     )
+
+
+def gpu_kv_tokens(profile: ModelProfile, gb: float | None) -> int:
+    """Tokens of vLLM's GPU KV cache: ``gb`` production GB per rank, or the
+    profile's budget."""
+    if gb is None:
+        return profile.gpu_kv_tokens
+    if not 0 <= gb < math.inf:
+        raise ValueError(f"--gpu-kv-gb must be >= 0, got {gb}")
+    return int(gb * 1e9 // profile.kv_bytes_per_token)
 
 
 def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
@@ -1035,7 +1103,10 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
             f"tiers: hot {setup.hot_gb:.2f} GiB CPU, warm {','.join(setup.warm_paths)}"
             f" ({setup.warm_gb:.1f} GiB), cold {cold}, io engine "
             f"{setup.io_engine}{link}; "
-            f"concurrency {setup.concurrency}",
+            f"concurrency {setup.concurrency}; vLLM's GPU prefix cache "
+            f"{setup.gpu_kv_tokens:,} tokens "
+            f"({setup.gpu_kv_tokens * profile.kv_bytes_per_token / 1e9:.1f} GB "
+            "per rank in production) in front of every variant",
             f"baseline: LMCache LocalDiskBackend on the warm directories, "
             f"{setup.baseline_disk_gb:.1f} GiB"
             + (" (local NVMe only: the cold tier is remote)" if link else ""),
@@ -1115,7 +1186,10 @@ def main(args: argparse.Namespace) -> int:
         f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"
     )
     print(describe(setup, requests, source), flush=True)
-    variants = number_twins(policies + ([] if args.no_baseline else [LOCAL_DISK]))
+    baselines = [] if args.no_baseline else [NO_EXTERNAL_CACHE, LOCAL_DISK]
+    variants = number_twins(
+        policies + [name for name in baselines if name not in policies]
+    )
     runs: dict[str, list[RunResult]] = {}
     unavailable: dict[str, str] = {}
     workload = Workload.build(requests, setup.shape, args.seed)
@@ -1148,8 +1222,12 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(report.table(summaries))
     line = report.summary_line(
-        # a twin (none#2) is the noise, not a contender
-        {n: s for n, s in summaries.items() if TWIN_MARK not in n},
+        # a twin (none#2) is the noise, the GPU-only baseline no tiered variant
+        {
+            n: s
+            for n, s in summaries.items()
+            if TWIN_MARK not in n and policy_of(n) != NO_EXTERNAL_CACHE
+        },
         compared(setup, LOCAL_DISK in summaries),
         LOCAL_DISK,
     )
@@ -1230,6 +1308,9 @@ def _config_json(
         "warm_paths": list(setup.warm_paths),
         "cold_paths": list(setup.cold_paths),
         "io_engine": setup.io_engine,
+        "gpu_kv_tokens": setup.gpu_kv_tokens,
+        "gpu_kv_bytes_per_rank_production": setup.gpu_kv_tokens
+        * setup.profile.kv_bytes_per_token,
         "cold_link": None
         if setup.cold_link is None
         else {"gbps": setup.cold_link.gbps, "latency_s": setup.cold_link.latency_s},
