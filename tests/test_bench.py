@@ -21,7 +21,7 @@ from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered import cli
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import diskbench, harness, replay, report, trace
+from lmcache_tiered.bench import diskbench, harness, presets, replay, report, trace
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
@@ -720,3 +720,78 @@ def test_lmcache_loads_only_past_the_gpu_share(tmp_path: Path) -> None:
     a, _, b = run(args, "none").records
     assert b.found == {"gpu": 2, "hot": 2}
     assert b.served == {"gpu": 2, "hot": 2}
+
+
+# -------------------------------------------------------------- presets
+
+
+def test_prefix_reuse_is_an_infinite_cache_hit_ratio() -> None:
+    requests = [
+        Request(0.0, 2 * BLOCK_TOKENS, 1, (1, 2)),
+        Request(1.0, 2 * BLOCK_TOKENS + 100, 1, (1, 2, 3)),
+    ]
+    assert trace.prefix_reuse(requests) == pytest.approx(
+        2 * BLOCK_TOKENS / (4 * BLOCK_TOKENS + 100)
+    )
+    long = trace.generate("long")
+    # more distinct tokens than the reference profile's HBM budget
+    assert (
+        trace.unique_tokens(long)
+        > get_profile("qwen3-coder-480b-fp8-tp8").gpu_kv_tokens
+    )
+    assert min(r.input_length for r in long) >= 64_000
+
+
+def test_preset_sets_what_the_command_line_left_at_its_default(
+    tmp_path: Path,
+) -> None:
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), "--preset", "seed-r2", "--cold-link", "1,1"
+    )
+    presets.apply(args.preset, args, args.preset_defaults, replay._PARSE)
+    assert args.workload == "long"
+    assert args.warm_link == replay.LinkModel(5.23, 0.0)
+    # given on the command line: kept
+    assert args.cold_link == replay.LinkModel(1.0, 0.001)
+    assert args.kv_scale == 1024 and args.profile == "llama-3.1-8b-tp1"
+
+
+def test_seed_preset_without_overrides_is_the_documented_point(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    replay.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--preset", "seed-r2"])
+    presets.apply(args.preset, args, args.preset_defaults, replay._PARSE)
+    assert (args.profile, args.workload, args.kv_scale) == (
+        "qwen3-coder-480b-fp8-tp8",
+        "long",
+        16.0,
+    )
+    assert args.cold_link == replay.LinkModel(5.23, 0.0001)
+
+
+def _summary(ttft: float, tps: float) -> dict[str, float]:
+    return {"ttft_p50_s": ttft, "throughput_tps": tps}
+
+
+def test_targets_line_judges_the_best_policy_against_the_seed() -> None:
+    summaries = {
+        "none": _summary(20.0, 100.0),
+        "hinted": _summary(10.0, 150.0),
+        "none#2": _summary(21.0, 100.0),
+        NO_EXTERNAL_CACHE: _summary(15.0, 110.0),
+    }
+    changes = {
+        "none#2": {"ttft_p50_s": [0.05, -0.05], "throughput_tps": [0.01, -0.01]},
+        "hinted": {"ttft_p50_s": [-0.5, -0.4], "throughput_tps": [0.5, 0.4]},
+    }
+    line = presets.targets_line(summaries, changes, 8, ["none", "hinted"])
+    assert line is not None
+    assert "best policy hinted" in line
+    assert "TTFT p50 -33% (target -26% or better: met)" in line
+    assert "tok/s +36% (target +29% or better: met)" in line
+    assert line.count("beyond the A/A range") == 2 and "NOT beyond" not in line
+    at_16 = presets.targets_line(summaries, changes, 16, ["none", "hinted"])
+    assert at_16 is not None and "(target +40% or better: NOT met)" in at_16
+    assert presets.targets_line(summaries, changes, 8, []) is None
+    summaries.pop(NO_EXTERNAL_CACHE)
+    assert presets.targets_line(summaries, changes, 8, ["hinted"]) is None

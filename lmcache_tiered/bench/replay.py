@@ -53,7 +53,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness, report, trace
+from lmcache_tiered.bench import harness, presets, report, trace
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.profiles import (
     DEFAULT_PROFILE,
@@ -144,6 +144,8 @@ class Setup:
     cold_paths: tuple[str, ...]
     io_engine: str
     cold_link: LinkModel | None
+    #: the warm tier's device modelled as a link too (None: this disk as is)
+    warm_link: LinkModel | None = None
     #: vLLM's GPU prefix cache in front of every variant (tokens; 0: none)
     gpu_kv_tokens: int = 0
 
@@ -413,9 +415,12 @@ def build_variant(
         # policies' time settings are production seconds: run their clock as
         # fast as the replay's
         cache.time_scale = setup.clock
-        cold = cache.tiers.get("cold")
-        if setup.cold_link is not None and cold is not None:
-            emulate_link(cold, setup.cold_link, setup.clock)
+        for tier, link in (
+            (cache.tiers.get("cold"), setup.cold_link),
+            (cache.tiers.get("warm"), setup.warm_link),
+        ):
+            if link is not None and tier is not None:
+                emulate_link(tier, link, setup.clock)
     return engine, backend
 
 
@@ -851,6 +856,13 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument(
+        "--preset",
+        choices=list(presets.PRESETS),
+        help="a named operating point; options given on the command line win ("
+        + "; ".join(f"{n}: {p.description}" for n, p in presets.PRESETS.items())
+        + ")",
+    )
     load = parser.add_argument_group("workload")
     load.add_argument(
         "--trace",
@@ -966,6 +978,14 @@ def add_parser(subparsers: Any) -> None:
         "cold on one local disk, the stock baseline then gets both capacities",
     )
     tiers.add_argument(
+        "--warm-link",
+        type=_link_arg,
+        default="none",
+        metavar="GBPS[,MS]|none",
+        help="model the warm tier's device as a link of this bandwidth and "
+        "latency too (production units; default: none, this disk as it is)",
+    )
+    tiers.add_argument(
         "--io-engine",
         choices=["auto", "uring", "threads"],
         default="auto",
@@ -987,7 +1007,18 @@ def add_parser(subparsers: Any) -> None:
         help="write TTFT CDFs, TTFT p50 and throughput bars as a PNG "
         f"(default: {DEFAULT_PLOT} in the current directory; 'none': no picture)",
     )
-    parser.set_defaults(func=main)
+    parser.set_defaults(
+        func=main,
+        preset_defaults={
+            dest: _PARSE.get(dest, _same)(parser.get_default(dest))
+            for preset in presets.PRESETS.values()
+            for dest in preset.settings
+        },
+    )
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def default_policies() -> list[str]:
@@ -1002,6 +1033,13 @@ def _link_arg(text: str) -> LinkModel | None:
         return LinkModel.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+#: How a preset's text settings become values, as their options' types do.
+_PARSE: dict[str, Callable[[Any], Any]] = {
+    "cold_link": _link_arg,
+    "warm_link": _link_arg,
+}
 
 
 def _split(text: str | None) -> list[str]:
@@ -1067,6 +1105,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         cold_paths=tuple(cold),
         io_engine=args.io_engine,
         cold_link=args.cold_link if cold else None,
+        warm_link=args.warm_link,
         gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
     )
 
@@ -1085,6 +1124,8 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
     shape, profile = setup.shape, setup.profile
     unique = trace.unique_tokens(requests) * shape.bytes_per_token
     link = f"; cold link model: {setup.cold_link}" if setup.cold_link else ""
+    if setup.warm_link is not None:
+        link += f"; warm link model: {setup.warm_link}"
     cold = (
         f"{','.join(setup.cold_paths)} ({setup.cold_gb:.1f} GiB)"
         if setup.cold_paths
@@ -1094,7 +1135,8 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
         [
             f"workload: {source}, {len(requests)} requests, "
             f"{sum(r.input_length for r in requests):,} prompt tokens, "
-            f"{unique / 1e9:.2f} GB of distinct KV on this run",
+            f"{unique / 1e9:.2f} GB of distinct KV on this run, prefix reuse "
+            f"{trace.prefix_reuse(requests):.2f} (an infinite cache's hit ratio)",
             f"profile: {profile.name} ({profile.kv_bytes_per_token:,} KV bytes/token "
             f"per rank) scaled down {shape.kv_scale:g}x to "
             f"{shape.bytes_per_token:,} bytes/token "
@@ -1166,6 +1208,7 @@ def check_space(setup: Setup, requests: list[trace.Request]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run every variant on the same workload; print, and write JSON/PNG."""
+    presets.apply(args.preset, args, args.preset_defaults, _PARSE)
     policies = _split(args.policies) if args.policies else default_policies()
     plot = None if args.plot == "none" else args.plot
     try:
@@ -1252,6 +1295,14 @@ def main(args: argparse.Namespace) -> int:
             "(one run per variant: single runs of one variant can differ by tens "
             "of percent; --repeat 6 with none named twice shows by how much)"
         )
+    targets = presets.targets_line(
+        summaries,
+        report.paired_changes(summaries),
+        setup.concurrency,
+        [n for n in policies if n not in (NO_EXTERNAL_CACHE, LOCAL_DISK)],
+    )
+    if targets is not None:
+        print(targets)
     for name, summary in summaries.items():
         if summary["lag_max_s"] > LAG_NOTE_S:
             print(
@@ -1292,6 +1343,7 @@ def _config_json(
         "time_scale": args.time_scale,
         "seed": args.seed,
         "repeat": args.repeat,
+        "preset": args.preset,
         "profile": setup.profile.name,
         "profile_source": setup.profile.source,
         "kv_bytes_per_token_production": setup.profile.kv_bytes_per_token,
@@ -1314,4 +1366,7 @@ def _config_json(
         "cold_link": None
         if setup.cold_link is None
         else {"gbps": setup.cold_link.gbps, "latency_s": setup.cold_link.latency_s},
+        "warm_link": None
+        if setup.warm_link is None
+        else {"gbps": setup.warm_link.gbps, "latency_s": setup.warm_link.latency_s},
     }
