@@ -595,14 +595,8 @@ class Replay:
         GPU copies for as long as the modelled link takes."""
         began = self.now()
         copies = self.copies
-        measured, modelled = (
-            (0.0, 0.0)
-            if copies is None
-            else (
-                copies.measured_s,
-                copies.modelled_s,
-            )
-        )
+        measured = 0.0 if copies is None else copies.measured_s
+        modelled = 0.0 if copies is None else copies.modelled_s
         try:
             yield
         finally:
@@ -708,7 +702,7 @@ class Replay:
         hit_tokens = min(len(live.hits) * CHUNK_TOKENS, len(tokens))
         skip = live.gpu_cached // CHUNK_TOKENS * CHUNK_TOKENS
         lookup_id = self._lookup_id(live)
-        if hit_tokens > max(skip, live.gpu_cached):
+        if hit_tokens > live.gpu_cached:
             mask = torch.ones(hit_tokens, dtype=torch.bool)
             mask[:skip] = False
             loaded = self.engine.retrieve(
@@ -859,7 +853,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--preset",
         choices=list(presets.PRESETS),
-        help="a named operating point; options given on the command line win ("
+        help="a named operating point; an option given on the command line at "
+        "another value than its default wins ("
         + "; ".join(f"{n}: {p.description}" for n, p in presets.PRESETS.items())
         + ")",
     )
