@@ -21,13 +21,15 @@ from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered import cli
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import diskbench, harness, replay, report, trace
+from lmcache_tiered.bench import diskbench, harness, presets, replay, report, trace
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
 
 CHUNK = replay.CHUNK_TOKENS
-#: 128 KV bytes per token: 32 KiB chunks
-SMALL = ["--profile", "llama-3.1-8b-tp1", "--kv-scale", "1024"]
+#: 128 KV bytes per token: 32 KiB chunks; no GPU prefix cache unless a test
+#: asks for one (so every reuse goes through LMCache)
+SMALL = ["--profile", "llama-3.1-8b-tp1", "--kv-scale", "1024", "--gpu-kv-gb", "0"]
 
 
 def write_trace(path: Path, records: list[dict[str, Any]]) -> Path:
@@ -380,7 +382,7 @@ def test_cli_writes_json_and_reports_missing_policy(
         "warmup_precision",
     ):
         assert isinstance(entry[key], float | None), key
-    assert set(entry["hit_rate"]) == {"hot", "warm", "cold"}
+    assert set(entry["hit_rate"]) == {"gpu", "hot", "warm", "cold"}
     assert entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
     assert document["config"]["clock_factor"] == 1024
     # the variants' directories are gone
@@ -476,14 +478,16 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
     assert order == [
         "none",
         "lookahead",
+        NO_EXTERNAL_CACHE,
         replay.LOCAL_DISK,
         "lookahead",
+        NO_EXTERNAL_CACHE,
         replay.LOCAL_DISK,
         "none",
     ]
     assert "change vs none, paired runs" in capsys.readouterr().out
     policies = json.loads(out.read_text())["policies"]
-    for name in ("lookahead", replay.LOCAL_DISK):
+    for name in ("lookahead", NO_EXTERNAL_CACHE, replay.LOCAL_DISK):
         assert len(policies[name]["paired_change_vs_none"]["ttft_p50_s"]) == 2
     assert "paired_change_vs_none" not in policies["none"]
 
@@ -686,3 +690,155 @@ def test_diskbench_fails_in_seconds_when_a_contender_cannot_store(
     # the stall window, plus starting Python, torch and LMCache on a busy machine
     assert elapsed < diskbench.STALL_S + 60
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------ GPU prefix cache
+
+
+def test_reference_profile_gpu_kv_budget() -> None:
+    """0.9 x 141 GB - 480.1e9 FP8 weights / 8 - 4 GB = 62.9 GB per rank."""
+    profile = get_profile("qwen3-coder-480b-fp8-tp8")
+    assert profile.total_params == pytest.approx(480.1e9, rel=1e-3)
+    assert profile.gpu_kv_budget_bytes == pytest.approx(62.89e9, rel=1e-3)
+    assert profile.gpu_kv_tokens == int(profile.gpu_kv_budget_bytes // 31_744)
+
+
+def test_gpu_prefix_cache_hits_whole_blocks_and_evicts_lru_tail_first() -> None:
+    a = Request(0.0, 2 * BLOCK_TOKENS + 40, 1, (1, 2, 3))
+    a_again = Request(0.0, 3 * BLOCK_TOKENS, 1, (1, 2, 3))
+    cache = GpuPrefixCache(capacity_tokens=4 * BLOCK_TOKENS)
+    assert cache.hit_tokens(a) == 0
+    cache.hold(a)
+    # the third block holds 32 of A's 40 tokens (two whole 16-token blocks)
+    assert cache.used == 2 * BLOCK_TOKENS + 32
+    assert cache.hit_tokens(a_again) == 2 * BLOCK_TOKENS + 32
+    # the same prompt again: all but its last token's block
+    assert cache.hit_tokens(a) == 2 * BLOCK_TOKENS + 32
+    cache.release(a)
+    b = Request(0.0, 3 * BLOCK_TOKENS, 1, (7, 8, 9))
+    cache.hold(b)  # 3 blocks more than the 4 that fit: A's tail goes first
+    assert cache.used <= cache.capacity
+    assert cache.hit_tokens(a_again) == BLOCK_TOKENS
+    cache.release(b)
+    held = GpuPrefixCache(capacity_tokens=BLOCK_TOKENS)
+    held.hold(b)  # running requests are never evicted (no preemption)
+    assert held.hit_tokens(Request(0.0, 2 * BLOCK_TOKENS, 1, (7, 8))) == (
+        2 * BLOCK_TOKENS - 16
+    )
+
+
+@pytest.mark.parametrize("variant", ["none", "no_external_cache"])
+def test_gpu_prefix_cache_serves_reuse_before_lmcache(
+    tmp_path: Path, variant: str
+) -> None:
+    """With room in HBM, B's 3 chunks of A come from the GPU, not LMCache;
+    no_external_cache runs no LMCache at all and recomputes C."""
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), "--hot-gb", "0.05", "--gpu-kv-gb", "80"
+    )
+    result = run(args, variant)
+    a, b, c = result.records
+    assert b.served == b.found == {"gpu": 3}
+    assert a.served == {} and c.served == {}
+    summary = report.summarize(result, clock=1024)
+    assert summary["hit_rate"]["gpu"] == pytest.approx(3 / 12)
+    assert summary["bytes_read"]["hot"] == 0
+    gpu = result.backend_metrics["gpu_prefix_cache"]
+    assert gpu["hit_tokens"] == 3 * CHUNK + 96  # B's whole 16-token blocks of A
+    if variant == "no_external_cache":
+        assert set(result.backend_metrics) == {"gpu_prefix_cache"}
+
+
+def test_lmcache_loads_only_past_the_gpu_share(tmp_path: Path) -> None:
+    """A GPU cache of 2 blocks keeps only part of A: B gets 1 chunk from the
+    GPU (the 512 tokens aligned down to LMCache's 256) and the rest from
+    LMCache's CPU tier."""
+    gb = 2 * BLOCK_TOKENS * get_profile("llama-3.1-8b-tp1").kv_bytes_per_token / 1e9
+    trace_path = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            mooncake(0, 4 * CHUNK + 100, [7, 8, 9]),
+            # evicts A's tail block (9), then A's second (8): A's head remains
+            mooncake(50_000, BLOCK_TOKENS, [30]),
+            mooncake(200_000, 4 * CHUNK + 300, [7, 8, 9]),
+        ],
+    )
+    args = bench_args(tmp_path, trace_path, "--hot-gb", "0.05", "--gpu-kv-gb", str(gb))
+    a, _, b = run(args, "none").records
+    assert b.found == {"gpu": 2, "hot": 2}
+    assert b.served == {"gpu": 2, "hot": 2}
+
+
+# -------------------------------------------------------------- presets
+
+
+def test_prefix_reuse_is_an_infinite_cache_hit_ratio() -> None:
+    requests = [
+        Request(0.0, 2 * BLOCK_TOKENS, 1, (1, 2)),
+        Request(1.0, 2 * BLOCK_TOKENS + 100, 1, (1, 2, 3)),
+    ]
+    assert trace.prefix_reuse(requests) == pytest.approx(
+        2 * BLOCK_TOKENS / (4 * BLOCK_TOKENS + 100)
+    )
+    long = trace.generate("long")
+    # more distinct tokens than the reference profile's HBM budget
+    assert (
+        trace.unique_tokens(long)
+        > get_profile("qwen3-coder-480b-fp8-tp8").gpu_kv_tokens
+    )
+    assert min(r.input_length for r in long) >= 64_000
+
+
+def test_preset_sets_what_the_command_line_left_at_its_default(
+    tmp_path: Path,
+) -> None:
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), "--preset", "seed-r2", "--cold-link", "1,1"
+    )
+    presets.apply(args.preset, args, args.preset_defaults, replay._PARSE)
+    assert args.workload == "long"
+    assert args.warm_link == replay.LinkModel(5.23, 0.0)
+    # given on the command line: kept
+    assert args.cold_link == replay.LinkModel(1.0, 0.001)
+    assert args.kv_scale == 1024 and args.profile == "llama-3.1-8b-tp1"
+
+
+def test_seed_preset_without_overrides_is_the_documented_point(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    replay.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--preset", "seed-r2"])
+    presets.apply(args.preset, args, args.preset_defaults, replay._PARSE)
+    assert (args.profile, args.workload, args.kv_scale) == (
+        "qwen3-coder-480b-fp8-tp8",
+        "long",
+        16.0,
+    )
+    assert args.cold_link == replay.LinkModel(5.23, 0.0001)
+
+
+def _summary(ttft: float, tps: float) -> dict[str, float]:
+    return {"ttft_p50_s": ttft, "throughput_tps": tps}
+
+
+def test_targets_line_judges_the_best_policy_against_the_seed() -> None:
+    summaries = {
+        "none": _summary(20.0, 100.0),
+        "hinted": _summary(10.0, 150.0),
+        "none#2": _summary(21.0, 100.0),
+        NO_EXTERNAL_CACHE: _summary(15.0, 110.0),
+    }
+    changes = {
+        "none#2": {"ttft_p50_s": [0.05, -0.05], "throughput_tps": [0.01, -0.01]},
+        "hinted": {"ttft_p50_s": [-0.5, -0.4], "throughput_tps": [0.5, 0.4]},
+    }
+    line = presets.targets_line(summaries, changes, 8, ["none", "hinted"])
+    assert line is not None
+    assert "best policy hinted" in line
+    assert "TTFT p50 -33% (target -26% or better: met)" in line
+    assert "tok/s +36% (target +29% or better: met)" in line
+    assert line.count("beyond the A/A range") == 2 and "NOT beyond" not in line
+    at_16 = presets.targets_line(summaries, changes, 16, ["none", "hinted"])
+    assert at_16 is not None and "(target +40% or better: NOT met)" in at_16
+    assert presets.targets_line(summaries, changes, 8, []) is None
+    summaries.pop(NO_EXTERNAL_CACHE)
+    assert presets.targets_line(summaries, changes, 8, ["hinted"]) is None

@@ -33,6 +33,16 @@ tensor-parallel all-reduces)::
 layer under uniform routing; a dense model has ``num_experts = 0`` and reads
 ``dense_params`` only.)
 
+vLLM's own KV cache in HBM (:attr:`ModelProfile.gpu_kv_budget_bytes`), per
+rank, as vLLM sizes it at start-up::
+
+    budget = gpu_memory_utilization * gpu_memory_bytes
+           - total_params * weight_bytes / tp        (the rank's weights)
+           - activation_bytes                        (profile run, CUDA graphs)
+
+vLLM keeps prefix blocks of finished requests there until it needs the room
+(its GPU prefix cache, :mod:`lmcache_tiered.bench.baseline`).
+
 Copies between LMCache's CPU buffers and the GPU (a load's upload, a save's
 download) take ``bytes / pcie_bytes_per_s``: the bench charges that instead
 of the time its stand-in "GPU", a CPU tensor, takes to copy.
@@ -56,13 +66,19 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
-#: NVIDIA H200 SXM datasheet: dense (no sparsity) tensor-core peaks and HBM3e.
+#: NVIDIA H200 SXM datasheet: dense (no sparsity) tensor-core peaks and HBM3e
+#: (141 GB of it; nvidia-smi reports 143,771 MiB, the datasheet's figure is
+#: the lower, conservative one).
+H200_MEMORY_BYTES = 141e9
 H200_FP8_FLOPS = 1979e12
 H200_BF16_FLOPS = 989e12
 H200_HBM_BYTES_PER_S = 4.8e12
 #: Host link of one GPU, PCIe Gen5 x16: 64 GB/s per direction on paper,
 #: about 50 GB/s in pinned-memory copies (assumed).
 PCIE5_X16_BYTES_PER_S = 50e9
+
+#: vLLM's default share of GPU memory it may use (``gpu_memory_utilization``).
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
 #: The bench engine's KV element: bf16, 2 bytes (one of K, V per element).
 BENCH_ELEMENT_BYTES = 2
@@ -97,6 +113,12 @@ class ModelProfile:
     mfu: float
     mbu: float
     step_overhead_s: float
+    #: all parameters (every expert), for the weights each rank holds
+    total_params: float
+    #: HBM of one GPU
+    gpu_memory_bytes: float
+    #: what vLLM's profile run and CUDA graphs take besides weights (assumed)
+    activation_bytes: float
     #: default scale-down factor F: about 8 KiB of KV per token on the bench.
     #: The replay charges this machine's fixed costs (per I/O, per call) F
     #: times over, so F is as small as a default bench run of a few minutes
@@ -113,6 +135,22 @@ class ModelProfile:
             * self.head_dim
             * self.kv_dtype_bytes
         )
+
+    @property
+    def gpu_kv_budget_bytes(self) -> float:
+        """HBM one rank gives vLLM's KV cache (see the module docstring)."""
+        weights = self.total_params * self.weight_bytes / self.tp
+        budget = (
+            VLLM_GPU_MEMORY_UTILIZATION * self.gpu_memory_bytes
+            - weights
+            - self.activation_bytes
+        )
+        return max(0.0, budget)
+
+    @property
+    def gpu_kv_tokens(self) -> int:
+        """Tokens of KV that budget holds (vLLM's "GPU KV cache size")."""
+        return int(self.gpu_kv_budget_bytes // self.kv_bytes_per_token)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Production seconds to prefill ``new_tokens`` after ``cached_tokens``."""
@@ -147,6 +185,10 @@ _QWEN3_CODER_ATTENTION = (
     2 * _QWEN3_CODER_HIDDEN * 96 * 128 + 2 * _QWEN3_CODER_HIDDEN * 8 * 128
 ) * _QWEN3_CODER_LAYERS
 _QWEN3_CODER_LM_HEAD = 151936 * _QWEN3_CODER_HIDDEN
+# 160 experts, attention, lm_head and the input embedding: 480.1e9
+_QWEN3_CODER_TOTAL = (
+    160 * _QWEN3_CODER_EXPERT + _QWEN3_CODER_ATTENTION + 2 * _QWEN3_CODER_LM_HEAD
+)
 
 _LLAMA_8B_LAYERS = 32
 
@@ -161,6 +203,9 @@ PROFILES: dict[str, ModelProfile] = {
                 "intermediate size 2560, hidden 6144, vocab 151936; FP8 weights, "
                 "bf16 KV cache (vLLM's kv_cache_dtype=auto). 8 x H200 SXM, TP8: "
                 "1 KV head per rank = 31,744 KV bytes per token and rank. "
+                "vLLM's KV budget per rank: 0.9 x 141 GB - 60.0 GB of FP8 weights "
+                "(480.1e9 / 8) - 4 GB activations and CUDA graphs (assumed) = "
+                "62.9 GB, 1.98M tokens. "
                 "Assumed: prefill MFU 0.3, decode MBU 0.6, 3 ms per step."
             ),
             num_layers=_QWEN3_CODER_LAYERS,
@@ -177,6 +222,9 @@ PROFILES: dict[str, ModelProfile] = {
             num_experts=160,
             experts_per_token=8,
             weight_bytes=1.0,
+            total_params=_QWEN3_CODER_TOTAL,
+            gpu_memory_bytes=H200_MEMORY_BYTES,
+            activation_bytes=4e9,
             peak_linear_flops=H200_FP8_FLOPS,
             peak_attention_flops=H200_BF16_FLOPS,
             hbm_bytes_per_s=H200_HBM_BYTES_PER_S,
@@ -191,7 +239,8 @@ PROFILES: dict[str, ModelProfile] = {
             source=(
                 "meta-llama/Llama-3.1-8B-Instruct config.json: 32 layers, 32 query "
                 "/ 8 KV heads of dim 128, 8.03e9 parameters, bf16 weights and KV "
-                "(131,072 KV bytes per token). One H200 SXM. "
+                "(131,072 KV bytes per token). One H200 SXM; vLLM's KV budget "
+                "0.9 x 141 GB - 16.1 GB weights - 2 GB activations (assumed). "
                 "Assumed: prefill MFU 0.4, decode MBU 0.6, 1 ms per step."
             ),
             num_layers=_LLAMA_8B_LAYERS,
@@ -206,6 +255,9 @@ PROFILES: dict[str, ModelProfile] = {
             num_experts=0,
             experts_per_token=0,
             weight_bytes=2.0,
+            total_params=8.03e9,
+            gpu_memory_bytes=H200_MEMORY_BYTES,
+            activation_bytes=2e9,
             peak_linear_flops=H200_BF16_FLOPS,
             peak_attention_flops=H200_BF16_FLOPS,
             hbm_bytes_per_s=H200_HBM_BYTES_PER_S,

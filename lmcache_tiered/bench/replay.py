@@ -53,7 +53,8 @@ from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness, report, trace
+from lmcache_tiered.bench import harness, presets, report, trace
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.profiles import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -145,6 +146,10 @@ class Setup:
     baseline_paths: tuple[str, ...]
     io_engine: str
     cold_link: LinkModel | None
+    #: the warm tier's device modelled as a link too (None: this disk as is)
+    warm_link: LinkModel | None = None
+    #: vLLM's GPU prefix cache in front of every variant (tokens; 0: none)
+    gpu_kv_tokens: int = 0
 
     @property
     def clock(self) -> float:
@@ -421,17 +426,25 @@ def build_variant(
         # policies' time settings are production seconds: run their clock as
         # fast as the replay's
         cache.time_scale = setup.clock
-        cold = cache.tiers.get("cold")
-        if setup.cold_link is not None and cold is not None:
-            emulate_link(cold, setup.cold_link, setup.clock)
+        for tier, link in (
+            (cache.tiers.get("cold"), setup.cold_link),
+            (cache.tiers.get("warm"), setup.warm_link),
+        ):
+            if link is not None and tier is not None:
+                emulate_link(tier, link, setup.clock)
     return engine, backend
 
 
 def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunResult:
-    """Replay the workload on a fresh engine and fresh directories."""
+    """Replay the workload on a fresh engine and fresh directories
+    (``no_external_cache``: no engine, vLLM's GPU prefix cache only)."""
     dirs = _Dirs.create(setup, name)
     try:
-        engine, backend = build_variant(name, setup, dirs)
+        engine, backend = (
+            (None, None)
+            if policy_of(name) == NO_EXTERNAL_CACHE
+            else build_variant(name, setup, dirs)
+        )
         progress = report.Progress(label, len(workload.requests))
         try:
             started = time.monotonic()
@@ -439,11 +452,13 @@ def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunR
             records = replay.run()
             wall = time.monotonic() - started
             result = _result(name, setup, records, backend, wall, replay.lag_max)
+            result.backend_metrics["gpu_prefix_cache"] = replay.gpu_cache.metrics()
         except BaseException:
             progress.close("failed")
             raise
         finally:
-            harness.destroy_engine(engine)
+            if engine is not None:
+                harness.destroy_engine(engine)
         progress.close(f"done in {wall:.0f}s")
         return result
     finally:
@@ -490,6 +505,10 @@ class _Live:
     loaded: float = 0.0
     #: tier of each chunk the lookup found, in prefix order
     hits: list[str] = field(default_factory=list)
+    #: prompt tokens vLLM's GPU prefix cache held
+    gpu_cached: int = 0
+    #: prompt tokens LMCache loaded (past the GPU's share, chunk-aligned)
+    loaded_tokens: int = 0
     cached: int = 0
     #: prompt tokens computed so far (cached ones included)
     computed: int = 0
@@ -512,7 +531,7 @@ class Replay:
         self,
         setup: Setup,
         workload: Workload,
-        engine: LMCacheEngine,
+        engine: LMCacheEngine | None,
         backend: TieredBackend | None,
         name: str,
         progress: report.Progress,
@@ -543,7 +562,8 @@ class Replay:
         self.finished = 0
         self.failure: BaseException | None = None
         self.hints = hint_forwarder(backend)
-        self.copies = GpuCopies(engine, setup)
+        self.copies = None if engine is None else GpuCopies(engine, setup)
+        self.gpu_cache = GpuPrefixCache(setup.gpu_kv_tokens)
         self.start = 0.0
         self.gpu = 0.0
         self.lag_max = 0.0
@@ -585,13 +605,16 @@ class Replay:
         """Real LMCache calls block the GPU for as long as they take, their
         GPU copies for as long as the modelled link takes."""
         began = self.now()
-        measured, modelled = self.copies.measured_s, self.copies.modelled_s
+        copies = self.copies
+        measured = 0.0 if copies is None else copies.measured_s
+        modelled = 0.0 if copies is None else copies.modelled_s
         try:
             yield
         finally:
             elapsed = self.now() - began
-            copies = self.copies.modelled_s - modelled
-            self.gpu += elapsed - (self.copies.measured_s - measured) + copies
+            if copies is not None:
+                elapsed += copies.modelled_s - modelled - (copies.measured_s - measured)
+            self.gpu += elapsed
 
     # -------------------------------------------------------------- frontend
 
@@ -640,12 +663,18 @@ class Replay:
         # the step cannot start before its requests arrived (the GPU clock
         # may lag the wall clock a little)
         self.gpu = max(self.gpu, *(live.arrival for live in admitted))
+        for live in admitted:
+            live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
+                self.requests[live.index]
+            )
         with self._real_work():
             for live in admitted:
                 live.scheduled = self.gpu
-                live.hits = self._lookup(live)
+                if self.engine is not None:
+                    live.hits = self._lookup(live)
             for live in admitted:
-                self._retrieve(live)
+                if self.engine is not None:
+                    self._retrieve(live)
         for live in admitted:
             live.loaded = self.gpu
         self.prefilling.extend(admitted)
@@ -655,6 +684,7 @@ class Replay:
 
     def _lookup(self, live: _Live) -> list[str]:
         """LMCache lookup with pins; the tier of each hit chunk, prefix order."""
+        assert self.engine is not None
         lookup_id = self._lookup_id(live)
         self.engine.lookup(
             self.workload.tokens[live.index], lookup_id=lookup_id, pin=True
@@ -675,15 +705,28 @@ class Replay:
         return (cache and cache.where(key)) or "warm"
 
     def _retrieve(self, live: _Live) -> None:
-        """Load the hit prefix (the worker's blocking load), then unpin."""
+        """Load the hit prefix past what the GPU holds (the worker's blocking
+        load; vLLM's connector masks the GPU's share, chunk-aligned), then
+        unpin."""
+        assert self.engine is not None
         tokens = self.workload.tokens[live.index]
         hit_tokens = min(len(live.hits) * CHUNK_TOKENS, len(tokens))
+        skip = live.gpu_cached // CHUNK_TOKENS * CHUNK_TOKENS
         lookup_id = self._lookup_id(live)
-        if hit_tokens:
-            mask = self.engine.retrieve(
-                tokens[:hit_tokens], kvcaches=self.workload.kv, req_id=lookup_id
+        if hit_tokens > live.gpu_cached:
+            mask = torch.ones(hit_tokens, dtype=torch.bool)
+            mask[:skip] = False
+            loaded = self.engine.retrieve(
+                tokens[:hit_tokens],
+                mask=mask,
+                kvcaches=self.workload.kv,
+                req_id=lookup_id,
             )
-            live.cached = live.computed = int(mask.sum())
+            live.loaded_tokens = int(loaded.sum())
+            if live.loaded_tokens:
+                live.cached = live.computed = max(
+                    live.gpu_cached, skip + live.loaded_tokens
+                )
         self.engine.lookup_unpin(lookup_id)
 
     # ----------------------------------------------------------------- steps
@@ -716,9 +759,10 @@ class Replay:
     def _prefilled(self, live: _Live) -> None:
         """Store the new KV (what vLLM's LMCache connector saves), first token."""
         self.prefilling.remove(live)
+        self.gpu_cache.hold(self.requests[live.index])
         tokens = self.workload.tokens[live.index]
         skip = live.cached // CHUNK_TOKENS * CHUNK_TOKENS
-        if len(tokens) - skip >= CHUNK_TOKENS:
+        if self.engine is not None and len(tokens) - skip >= CHUNK_TOKENS:
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[:skip] = False
             with self._real_work():
@@ -777,7 +821,10 @@ class Replay:
 
     def _finish(self, live: _Live) -> None:
         request = self.requests[live.index]
-        served = math.ceil(live.cached / CHUNK_TOKENS)
+        self.gpu_cache.release(request)
+        on_gpu = live.gpu_cached // CHUNK_TOKENS
+        loaded = on_gpu + math.ceil(live.loaded_tokens / CHUNK_TOKENS)
+        gpu = {"gpu": on_gpu} if on_gpu else {}
         self.records[live.index] = RequestRecord(
             arrival=live.arrival,
             scheduled=live.scheduled,
@@ -787,8 +834,8 @@ class Replay:
             input_length=request.input_length,
             output_length=request.output_length,
             prompt_chunks=math.ceil(request.input_length / CHUNK_TOKENS),
-            found=dict(Counter(live.hits)),
-            served=dict(Counter(live.hits[:served])),
+            found=gpu | dict(Counter(live.hits[on_gpu:])),
+            served=gpu | dict(Counter(live.hits[on_gpu:loaded])),
         )
         with self.cond:
             for index in self.followers.get(live.index, ()):
@@ -813,6 +860,14 @@ def add_parser(subparsers: Any) -> None:
         help="replay a workload through LMCache with each warm-up policy",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        choices=list(presets.PRESETS),
+        help="a named operating point; an option given on the command line at "
+        "another value than its default wins ("
+        + "; ".join(f"{n}: {p.description}" for n, p in presets.PRESETS.items())
+        + ")",
     )
     load = parser.add_argument_group("workload")
     load.add_argument(
@@ -877,7 +932,16 @@ def add_parser(subparsers: Any) -> None:
     tiers.add_argument(
         "--no-baseline",
         action="store_true",
-        help=f"skip the stock LocalDiskBackend baseline ({LOCAL_DISK})",
+        help=f"skip the baselines: LMCache's stock LocalDiskBackend ({LOCAL_DISK}) "
+        f"and vLLM's GPU prefix cache alone ({NO_EXTERNAL_CACHE})",
+    )
+    tiers.add_argument(
+        "--gpu-kv-gb",
+        type=float,
+        metavar="GB",
+        help="HBM per rank for vLLM's KV cache, its GPU prefix cache in front "
+        "of every variant, in production GB; 0: none (default: the profile's "
+        "budget, 0.9 x GPU memory - weights - activations)",
     )
     tiers.add_argument(
         "--hot-gb",
@@ -927,6 +991,14 @@ def add_parser(subparsers: Any) -> None:
         "cold on one local disk, the stock baseline then gets both capacities",
     )
     tiers.add_argument(
+        "--warm-link",
+        type=_link_arg,
+        default="none",
+        metavar="GBPS[,MS]|none",
+        help="model the warm tier's device as a link of this bandwidth and "
+        "latency too (production units; default: none, this disk as it is)",
+    )
+    tiers.add_argument(
         "--io-engine",
         choices=["auto", "uring", "threads"],
         default="auto",
@@ -948,7 +1020,18 @@ def add_parser(subparsers: Any) -> None:
         help="write TTFT CDFs, TTFT p50 and throughput bars as a PNG "
         f"(default: {DEFAULT_PLOT} in the current directory; 'none': no picture)",
     )
-    parser.set_defaults(func=main)
+    parser.set_defaults(
+        func=main,
+        preset_defaults={
+            dest: _PARSE.get(dest, _same)(parser.get_default(dest))
+            for preset in presets.PRESETS.values()
+            for dest in preset.settings
+        },
+    )
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def default_policies() -> list[str]:
@@ -963,6 +1046,13 @@ def _link_arg(text: str) -> LinkModel | None:
         return LinkModel.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+#: How a preset's text settings become values, as their options' types do.
+_PARSE: dict[str, Callable[[Any], Any]] = {
+    "cold_link": _link_arg,
+    "warm_link": _link_arg,
+}
 
 
 def _split(text: str | None) -> list[str]:
@@ -1029,13 +1119,27 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         baseline_paths=tuple(_split(args.baseline_disk) or warm),
         io_engine=args.io_engine,
         cold_link=args.cold_link if cold else None,
+        warm_link=args.warm_link,
+        gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
     )
+
+
+def gpu_kv_tokens(profile: ModelProfile, gb: float | None) -> int:
+    """Tokens of vLLM's GPU KV cache: ``gb`` production GB per rank, or the
+    profile's budget."""
+    if gb is None:
+        return profile.gpu_kv_tokens
+    if not 0 <= gb < math.inf:
+        raise ValueError(f"--gpu-kv-gb must be >= 0, got {gb}")
+    return int(gb * 1e9 // profile.kv_bytes_per_token)
 
 
 def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
     shape, profile = setup.shape, setup.profile
     unique = trace.unique_tokens(requests) * shape.bytes_per_token
     link = f"; cold link model: {setup.cold_link}" if setup.cold_link else ""
+    if setup.warm_link is not None:
+        link += f"; warm link model: {setup.warm_link}"
     cold = (
         f"{','.join(setup.cold_paths)} ({setup.cold_gb:.1f} GiB)"
         if setup.cold_paths
@@ -1045,7 +1149,8 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
         [
             f"workload: {source}, {len(requests)} requests, "
             f"{sum(r.input_length for r in requests):,} prompt tokens, "
-            f"{unique / 1e9:.2f} GB of distinct KV on this run",
+            f"{unique / 1e9:.2f} GB of distinct KV on this run, prefix reuse "
+            f"{trace.prefix_reuse(requests):.2f} (an infinite cache's hit ratio)",
             f"profile: {profile.name} ({profile.kv_bytes_per_token:,} KV bytes/token "
             f"per rank) scaled down {shape.kv_scale:g}x to "
             f"{shape.bytes_per_token:,} bytes/token "
@@ -1054,7 +1159,10 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
             f"tiers: hot {setup.hot_gb:.2f} GiB CPU, warm {','.join(setup.warm_paths)}"
             f" ({setup.warm_gb:.1f} GiB), cold {cold}, io engine "
             f"{setup.io_engine}{link}; "
-            f"concurrency {setup.concurrency}",
+            f"concurrency {setup.concurrency}; vLLM's GPU prefix cache "
+            f"{setup.gpu_kv_tokens:,} tokens "
+            f"({setup.gpu_kv_tokens * profile.kv_bytes_per_token / 1e9:.1f} GB "
+            "per rank in production) in front of every variant",
             "baseline: LMCache LocalDiskBackend on "
             + (
                 "the warm directories, "
@@ -1121,6 +1229,7 @@ def check_space(setup: Setup, requests: list[trace.Request]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run every variant on the same workload; print, and write JSON/PNG."""
+    presets.apply(args.preset, args, args.preset_defaults, _PARSE)
     policies = _split(args.policies) if args.policies else default_policies()
     plot = None if args.plot == "none" else args.plot
     try:
@@ -1141,7 +1250,10 @@ def main(args: argparse.Namespace) -> int:
         f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"
     )
     print(describe(setup, requests, source), flush=True)
-    variants = number_twins(policies + ([] if args.no_baseline else [LOCAL_DISK]))
+    baselines = [] if args.no_baseline else [NO_EXTERNAL_CACHE, LOCAL_DISK]
+    variants = number_twins(
+        policies + [name for name in baselines if name not in policies]
+    )
     runs: dict[str, list[RunResult]] = {}
     unavailable: dict[str, str] = {}
     workload = Workload.build(requests, setup.shape, args.seed)
@@ -1174,8 +1286,12 @@ def main(args: argparse.Namespace) -> int:
     print()
     print(report.table(summaries))
     line = report.summary_line(
-        # a twin (none#2) is the noise, not a contender
-        {n: s for n, s in summaries.items() if TWIN_MARK not in n},
+        # a twin (none#2) is the noise, the GPU-only baseline no tiered variant
+        {
+            n: s
+            for n, s in summaries.items()
+            if TWIN_MARK not in n and policy_of(n) != NO_EXTERNAL_CACHE
+        },
         compared(setup, LOCAL_DISK in summaries),
         LOCAL_DISK,
     )
@@ -1200,6 +1316,14 @@ def main(args: argparse.Namespace) -> int:
             "(one run per variant: single runs of one variant can differ by tens "
             "of percent; --repeat 6 with none named twice shows by how much)"
         )
+    targets = presets.targets_line(
+        summaries,
+        report.paired_changes(summaries),
+        setup.concurrency,
+        [n for n in policies if n not in (NO_EXTERNAL_CACHE, LOCAL_DISK)],
+    )
+    if targets is not None:
+        print(targets)
     for name, summary in summaries.items():
         if summary["lag_max_s"] > LAG_NOTE_S:
             print(
@@ -1240,6 +1364,7 @@ def _config_json(
         "time_scale": args.time_scale,
         "seed": args.seed,
         "repeat": args.repeat,
+        "preset": args.preset,
         "profile": setup.profile.name,
         "profile_source": setup.profile.source,
         "kv_bytes_per_token_production": setup.profile.kv_bytes_per_token,
@@ -1257,7 +1382,13 @@ def _config_json(
         "cold_paths": list(setup.cold_paths),
         "baseline_paths": list(setup.baseline_paths),
         "io_engine": setup.io_engine,
+        "gpu_kv_tokens": setup.gpu_kv_tokens,
+        "gpu_kv_bytes_per_rank_production": setup.gpu_kv_tokens
+        * setup.profile.kv_bytes_per_token,
         "cold_link": None
         if setup.cold_link is None
         else {"gbps": setup.cold_link.gbps, "latency_s": setup.cold_link.latency_s},
+        "warm_link": None
+        if setup.warm_link is None
+        else {"gbps": setup.warm_link.gbps, "latency_s": setup.warm_link.latency_s},
     }

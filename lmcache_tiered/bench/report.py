@@ -13,8 +13,9 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
   the cached prefix (real I/O, on the production clock).
 - ``throughput_rps``/``throughput_tps``: requests and generated tokens per
   second over the makespan (first arrival to last finish).
-- ``hit_rate.{hot,warm,cold}``: share of all prompt chunks that were served
-  from that tier (the rest were computed); ``lookup_hit_rate``: share the
+- ``hit_rate.{gpu,hot,warm,cold}``: share of all prompt chunks that were
+  served from that tier (gpu: vLLM's GPU prefix cache; the rest were
+  computed); ``lookup_hit_rate``: share the
   lookups found (more than served when reads fail).
 - ``bytes_read.{hot,warm,cold}``: hot = bytes of chunks served from LMCache's
   CPU tier; warm/cold = everything the plugin's tier read (demand reads,
@@ -41,7 +42,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-TIERS = ("hot", "warm", "cold")
+#: Where a prompt chunk can come from: vLLM's GPU prefix cache, then LMCache.
+TIERS = ("gpu", "hot", "warm", "cold")
+#: Tiers whose bytes are read (the GPU's are reused in place).
+READ_TIERS = TIERS[1:]
 
 
 @dataclass(slots=True)
@@ -110,7 +114,7 @@ def summarize(result: RunResult, clock: float) -> dict[str, Any]:
     chunks = sum(r.prompt_chunks for r in records) or 1
     served = {t: sum(r.served.get(t, 0) for r in records) for t in TIERS}
     found = sum(sum(r.found.values()) for r in records)
-    bytes_read = {t: served[t] * result.chunk_bytes for t in TIERS}
+    bytes_read = {t: served[t] * result.chunk_bytes for t in READ_TIERS}
     if result.tier_bytes_read is not None:
         bytes_read.update(result.tier_bytes_read)
     return {
@@ -211,7 +215,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
         "p99",
         "req/s",
         "tok/s",
-        "hit hot/warm/cold",
+        "hit gpu/hot/warm/cold",
         "GB read warm/cold",
         "prec",
         "timely",

@@ -1,0 +1,116 @@
+"""vLLM's GPU prefix cache, and the seed's baseline that has nothing else.
+
+vLLM keeps the KV blocks of finished requests in HBM until it needs the room
+(automatic prefix caching, on by default): a new request reuses its longest
+cached prefix, whole blocks of 16 tokens, and computes the rest. Every
+variant of the bench has this cache in front of LMCache, as vLLM does;
+``no_external_cache`` has only it (the seed's baseline: "no external cache
+acceleration", every miss recomputed).
+
+The model (:class:`GpuPrefixCache`):
+
+- capacity: the profile's HBM KV budget in tokens
+  (:attr:`~lmcache_tiered.bench.profiles.ModelProfile.gpu_kv_tokens`); the
+  scaled-down bench stores fewer bytes per token but the same tokens, so the
+  capacity is in tokens and does not scale;
+- granularity: the trace's 512-token blocks (chained ids: an equal id is an
+  equal prefix), each holding up to 512 tokens in whole 16-token vLLM blocks;
+- a request's blocks are held while it runs (from its prefill's end; the
+  model neither preempts nor refuses a request for lack of room) and become
+  evictable when it finishes, tail first, as vLLM's free-block queue orders
+  them; eviction is least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from lmcache_tiered.bench import trace
+
+#: The variant with vLLM's GPU prefix cache only: no LMCache at all.
+NO_EXTERNAL_CACHE = "no_external_cache"
+#: vLLM's KV block size (tokens): the unit of a prefix-cache hit.
+VLLM_BLOCK_TOKENS = 16
+
+
+def _covered(request: trace.Request, index: int) -> int:
+    """Whole vLLM blocks' tokens of the request's ``index``-th trace block."""
+    tokens = min(trace.BLOCK_TOKENS, request.input_length - index * trace.BLOCK_TOKENS)
+    return tokens // VLLM_BLOCK_TOKENS * VLLM_BLOCK_TOKENS
+
+
+class GpuPrefixCache:
+    """The tokens of each trace block vLLM holds in HBM, LRU over free blocks."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        if capacity_tokens < 0:
+            raise ValueError(f"GPU KV capacity must be >= 0, got {capacity_tokens}")
+        self.capacity = capacity_tokens
+        #: trace block id -> tokens held (whole vLLM blocks)
+        self._held: dict[int, int] = {}
+        #: running requests holding each block
+        self._refs: Counter[int] = Counter()
+        #: blocks no running request holds, least recently used first
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self.used = 0
+        self.hit_tokens_total = 0
+        self.evicted_tokens = 0
+
+    def hit_tokens(self, request: trace.Request) -> int:
+        """The request's cached prefix in tokens (whole vLLM blocks, never the
+        whole prompt: vLLM always computes the last token)."""
+        hit = 0
+        for index, block in enumerate(request.hash_ids):
+            needed, held = _covered(request, index), self._held.get(block, 0)
+            hit += min(needed, held)
+            if held < needed or needed < trace.BLOCK_TOKENS:
+                break
+        hit = min(
+            hit, (request.input_length - 1) // VLLM_BLOCK_TOKENS * VLLM_BLOCK_TOKENS
+        )
+        self.hit_tokens_total += hit
+        return hit
+
+    def hold(self, request: trace.Request) -> None:
+        """The request's prompt is computed: its blocks are in HBM, held."""
+        for index, block in enumerate(request.hash_ids):
+            tokens = _covered(request, index)
+            if not tokens:
+                break
+            old = self._held.get(block, 0)
+            if tokens > old:
+                self._held[block] = tokens
+                self.used += tokens - old
+            self._refs[block] += 1
+            self._free.pop(block, None)
+        self._evict()
+
+    def release(self, request: trace.Request) -> None:
+        """The request finished: its blocks become evictable, tail first."""
+        blocks = [
+            block
+            for index, block in enumerate(request.hash_ids)
+            if _covered(request, index)
+        ]
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] <= 0:
+                del self._refs[block]
+                self._free[block] = None
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.used > self.capacity and self._free:
+            block, _ = self._free.popitem(last=False)
+            tokens = self._held.pop(block)
+            self.used -= tokens
+            self.evicted_tokens += tokens
+
+    def metrics(self) -> dict[str, int]:
+        """What the JSON shows of the cache."""
+        return {
+            "capacity_tokens": self.capacity,
+            "used_tokens": self.used,
+            "hit_tokens": self.hit_tokens_total,
+            "evicted_tokens": self.evicted_tokens,
+        }
