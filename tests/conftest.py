@@ -139,6 +139,18 @@ def payload_offset(tier: Tier, key: Any) -> tuple[str, int]:
     return tier.slab_paths[extent.device], extent.offset
 
 
+def store_chunks(
+    engine: Any, connector: Any, n_chunks: int, seed: int, chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store ``n_chunks`` chunks of ``chunk`` tokens (tokens from ``seed``, KV
+    from ``seed + 1``) and flush the plugin's writer."""
+    tokens = harness.make_tokens(n_chunks * chunk, seed=seed)
+    kv = harness.make_kv(connector, n_chunks * chunk, seed=seed + 1)
+    harness.store_tokens(engine, tokens, kv)
+    cache_of(engine).flush()
+    return tokens, kv
+
+
 def store_request(
     engine: Any, connector: Any, n_tokens: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import cache_of, wait_until
+from conftest import cache_of, store_chunks, wait_until
 from test_mp import CHUNK as MP_CHUNK
 from test_mp import SLOT, Caller, memory_obj, okey, params
 
@@ -116,14 +116,6 @@ def store_engine(
     return engine, connector, cache_of(engine)
 
 
-def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, Any]:
-    tokens = harness.make_tokens(n_chunks * CHUNK, seed=seed)
-    kv = harness.make_kv(connector, n_chunks * CHUNK, seed=seed + 1)
-    harness.store_tokens(engine, tokens, kv)
-    cache_of(engine).flush()
-    return tokens, kv
-
-
 def test_config_refuses_both_cold_tiers_and_bad_json(tmp_path: Path) -> None:
     base = {"tiered.warm.paths": [str(tmp_path)]}
     with pytest.raises(ConfigError, match="cold.paths and tiered.cold.adapter"):
@@ -150,8 +142,8 @@ def test_warm_too_small_demotes_to_redis_and_a_new_cache_is_served_from_it(
     engine_factory: EngineFactory, tmp_path: Path, redis: Redis
 ) -> None:
     engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
-    first, first_kv = store(engine, connector, 2, seed=1)
-    second, second_kv = store(engine, connector, 2, seed=11)
+    first, first_kv = store_chunks(engine, connector, 2, seed=1)
+    second, second_kv = store_chunks(engine, connector, 2, seed=11)
     first_keys = harness.chunk_keys(engine, first)
     # warm holds two chunks: the second request's demoted the first's to Redis
     assert [cache.tier_of(k) for k in first_keys] == ["cold", "cold"]
@@ -188,7 +180,7 @@ def test_write_through_puts_every_chunk_in_redis(
         redis,
         **{"cold.write": "through", "warm.capacity_gb": 0.25},
     )
-    tokens, _ = store(engine, connector, 3, seed=2)
+    tokens, _ = store_chunks(engine, connector, 3, seed=2)
     for key in harness.chunk_keys(engine, tokens):
         assert cache.warm.header(key) is not None
         assert cache.tiers["cold"].header(key) is not None
@@ -259,8 +251,8 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
     monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
     engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
-    first, first_kv = store(engine, connector, 2, seed=1)
-    store(engine, connector, 2, seed=11)
+    first, first_kv = store_chunks(engine, connector, 2, seed=1)
+    store_chunks(engine, connector, 2, seed=11)
     cold = cache.tiers["cold"]
     assert [cache.tier_of(k) for k in harness.chunk_keys(engine, first)] == [
         "cold",
@@ -277,8 +269,8 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     assert harness.lookup(engine, first) == 0
     redis.start()  # back, empty
     wait_until(lambda: cold.degraded is None, timeout=20)
-    third, third_kv = store(engine, connector, 2, seed=21)
-    store(engine, connector, 2, seed=31)  # demotes the third pair to Redis
+    third, third_kv = store_chunks(engine, connector, 2, seed=21)
+    store_chunks(engine, connector, 2, seed=31)  # demotes the third pair to Redis
     keys = harness.chunk_keys(engine, third)
     assert [cache.tier_of(k) for k in keys] == ["cold", "cold"]
     harness.clear_cpu_tier(engine)
@@ -356,8 +348,8 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
     monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
     monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
     engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
-    first, first_kv = store(engine, connector, 2, seed=1)
-    store(engine, connector, 2, seed=11)
+    first, first_kv = store_chunks(engine, connector, 2, seed=1)
+    store_chunks(engine, connector, 2, seed=11)
     cold = cache.tiers["cold"]
     assert redis.proc is not None
     redis.proc.send_signal(signal.SIGSTOP)

@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import cache_of, payload_offset, plugin_extra_config, wait_until
+from conftest import (
+    cache_of,
+    payload_offset,
+    plugin_extra_config,
+    store_chunks,
+    wait_until,
+)
 from prometheus_client import generate_latest
 
 from lmcache_tiered.backend import TieredBackend
@@ -27,14 +33,6 @@ CHUNK = 256
 CHUNK_BYTES = 256 * 1024  # the harness's tiny model: 2 layers, 2 heads of 64
 #: capacity (GiB) of a warm tier that holds exactly two chunks
 TWO_CHUNKS_GB = 2 * (CHUNK_BYTES + 4096) / 2**30
-
-
-def store(engine: Any, connector: Any, n_chunks: int, seed: int) -> tuple[Any, Any]:
-    tokens = harness.make_tokens(n_chunks * CHUNK, seed=seed)
-    kv = harness.make_kv(connector, n_chunks * CHUNK, seed=seed + 1)
-    harness.store_tokens(engine, tokens, kv)
-    cache_of(engine).flush()
-    return tokens, kv
 
 
 def tiered_engine(
@@ -73,8 +71,8 @@ def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
     engine, connector, cache = two_chunks_warm_over_cold(
         engine_factory, device_dirs, cold_dir
     )
-    first, first_kv = store(engine, connector, 2, seed=1)
-    second, _ = store(engine, connector, 2, seed=11)
+    first, first_kv = store_chunks(engine, connector, 2, seed=1)
+    second, _ = store_chunks(engine, connector, 2, seed=11)
     first_keys = harness.chunk_keys(engine, first)
     second_keys = harness.chunk_keys(engine, second)
     # warm holds two chunks: the second request's demoted the first's to cold
@@ -94,7 +92,7 @@ def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
     # ... which demoted the second request's chunks: nothing was lost
     assert [cache.tier_of(k) for k in second_keys] == ["cold", "cold"]
     # a request bigger than warm: what warm cannot take goes straight to cold
-    third, _ = store(engine, connector, 3, seed=21)
+    third, _ = store_chunks(engine, connector, 3, seed=21)
     assert all(cache.tier_of(k) for k in harness.chunk_keys(engine, third))
 
 
@@ -106,7 +104,7 @@ def test_write_through_puts_every_chunk_in_both(
         device_dirs,
         **{"cold.paths": str(cold_dir), "cold.write": "through"},
     )
-    tokens, _ = store(engine, connector, 3, seed=2)
+    tokens, _ = store_chunks(engine, connector, 3, seed=2)
     for key in harness.chunk_keys(engine, tokens):
         assert cache.tiers["warm"].header(key) is not None
         assert cache.tiers["cold"].header(key) is not None
@@ -120,8 +118,8 @@ def test_prefix_eviction_drops_tails_before_heads(
     engine, connector, cache = tiered_engine(
         engine_factory, device_dirs, **{"warm.capacity_gb": three}
     )
-    old, _ = store(engine, connector, 3, seed=3)
-    store(engine, connector, 1, seed=4)
+    old, _ = store_chunks(engine, connector, 3, seed=3)
+    store_chunks(engine, connector, 1, seed=4)
     present = [cache.tier_of(k) for k in harness.chunk_keys(engine, old)]
     assert present == ["warm", "warm", None]
 
@@ -134,7 +132,7 @@ def test_lookahead_promotes_the_found_prefix_to_hot(
         device_dirs,
         **{"warmup.policy": "lookahead", "warmup.lookahead.promote_found": True},
     )
-    tokens, kv = store(engine, connector, 4, seed=5)
+    tokens, kv = store_chunks(engine, connector, 4, seed=5)
     harness.clear_cpu_tier(engine)
     keys = harness.chunk_keys(engine, tokens)
     assert harness.lookup(engine, tokens) == 4 * CHUNK
@@ -157,7 +155,7 @@ def test_chunks_in_hot_past_the_lookups_hot_prefix_are_not_read_from_disk(
     # LMCache's lookup hands the plugin the rest of a prefix from the first
     # chunk its CPU tier lacks: chunks 1-3 below are still in memory
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
-    tokens, kv = store(engine, connector, 4, seed=21)
+    tokens, kv = store_chunks(engine, connector, 4, seed=21)
     keys = harness.chunk_keys(engine, tokens)
     hot = harness.get_local_cpu_backend(engine)
     assert hot is not None and hot.remove(keys[0])
@@ -172,7 +170,7 @@ def test_a_promotion_past_the_lookups_hot_prefix_counts_as_used(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
-    tokens, kv = store(engine, connector, 3, seed=23)
+    tokens, kv = store_chunks(engine, connector, 3, seed=23)
     harness.clear_cpu_tier(engine)
     keys = harness.chunk_keys(engine, tokens)
     # promote chunks 1 and 2 only: the lookup's hot prefix is empty
@@ -190,7 +188,7 @@ def test_lookahead_plans_nothing_for_unseen_random_lookups(
     engine, connector, cache = tiered_engine(
         engine_factory, device_dirs, **{"warmup.policy": "lookahead"}
     )
-    store(engine, connector, 2, seed=6)
+    store_chunks(engine, connector, 2, seed=6)
     for seed in range(10, 20):
         assert harness.lookup(engine, harness.make_tokens(2 * CHUNK, seed=seed)) == 0
     time.sleep(0.2)
@@ -210,7 +208,7 @@ def test_hint_over_loopback_promotes_before_lookup(
     )
     backend = harness.get_backends(engine)["tiered"]
     assert isinstance(backend, TieredBackend) and backend.hint_server is not None
-    tokens, _ = store(engine, connector, 3, seed=7)
+    tokens, _ = store_chunks(engine, connector, 3, seed=7)
     harness.clear_cpu_tier(engine)
     assert send_hint(backend.hint_server.url, tokens.tolist(), deadline_s=5.0)
     keys = harness.chunk_keys(engine, tokens)
@@ -225,13 +223,13 @@ def test_promotions_stay_pinned_in_hot_until_used(
     engine, connector, cache = tiered_engine(
         engine_factory, device_dirs, cpu_gb=8 * CHUNK_BYTES / 2**30
     )
-    tokens, kv = store(engine, connector, 2, seed=30)
+    tokens, kv = store_chunks(engine, connector, 2, seed=30)
     keys = harness.chunk_keys(engine, tokens)
     harness.clear_cpu_tier(engine)
     cache.promoter.submit([Plan(tuple(keys), "hot", cache.now() + 60)])
     wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
     for seed in range(31, 37):  # 12 chunks through an 8-chunk CPU tier
-        store(engine, connector, 2, seed=seed)
+        store_chunks(engine, connector, 2, seed=seed)
     assert all(cache.where(k) == "hot" for k in keys)
     reads = cache.warm.stats.hits
     # as vLLM: the scheduler's lookup pins, the worker retrieves, then unpins
@@ -251,8 +249,8 @@ def test_hot_budget_goes_to_the_earliest_deadline_and_the_rest_waits(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
-    soon, _ = store(engine, connector, 2, seed=40)
-    later, _ = store(engine, connector, 2, seed=41)
+    soon, _ = store_chunks(engine, connector, 2, seed=40)
+    later, _ = store_chunks(engine, connector, 2, seed=41)
     soon_keys = harness.chunk_keys(engine, soon)
     later_keys = harness.chunk_keys(engine, later)
     harness.clear_cpu_tier(engine)
@@ -281,7 +279,7 @@ def test_demand_reads_go_before_a_flood_of_warmup(
         device_dirs,
         **{"cold.paths": str(cold_dir), "warmup.bandwidth_mbps": 5},
     )
-    tokens, kv = store(engine, connector, 12, seed=8)
+    tokens, kv = store_chunks(engine, connector, 12, seed=8)
     keys = harness.chunk_keys(engine, tokens)
     log: list[tuple[str, str]] = []
     execute = cache.promoter._execute
@@ -331,7 +329,7 @@ def test_metrics_snapshot_and_prometheus(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
-    tokens, _ = store(engine, connector, 2, seed=9)
+    tokens, _ = store_chunks(engine, connector, 2, seed=9)
     harness.clear_cpu_tier(engine)
     harness.retrieve_tokens(engine, tokens, connector=connector)
     snap = cache.snapshot()
@@ -371,7 +369,7 @@ def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
         settings = {"cold.paths": str(cold_dir), "cold.write": "through"}
         engines.append(tiered_engine(engine_factory, [warm], host_id=host, **settings))
     (engine_a, connector_a, _), (engine_b, connector_b, cache_b) = engines
-    tokens, kv = store(engine_a, connector_a, 3, seed=31)
+    tokens, kv = store_chunks(engine_a, connector_a, 3, seed=31)
     assert harness.lookup(engine_b, tokens) == 0  # not seen yet
     cache_b.shared.refresh()  # what its background thread does every 2 s
     assert harness.lookup(engine_b, tokens) == 3 * CHUNK
@@ -406,7 +404,7 @@ def test_shared_cold_rereads_only_header_files_that_changed(
         settings = {"cold.paths": str(cold_dir), "cold.write": "through"}
         engines.append(tiered_engine(engine_factory, [warm], host_id=host, **settings))
     (engine_a, connector_a, _), (engine_b, _, cache_b) = engines
-    first, _ = store(engine_a, connector_a, 1, seed=61)
+    first, _ = store_chunks(engine_a, connector_a, 1, seed=61)
     shared = cache_b.shared
     shared.refresh()
     (foreign,) = shared.tiers()
@@ -418,7 +416,7 @@ def test_shared_cold_rereads_only_header_files_that_changed(
     shared.refresh()  # a read at this stamp: the next one can skip it
     shared.refresh()
     assert len(rereads) == 1
-    store(engine_a, connector_a, 1, seed=62)  # A writes again
+    store_chunks(engine_a, connector_a, 1, seed=62)  # A writes again
     shared.refresh()
     assert len(rereads) == 2
     assert harness.lookup(engine_b, first) == CHUNK
@@ -430,7 +428,7 @@ def test_a_read_spanning_warm_and_cold_reads_both_at_once(
     engine, connector, cache = two_chunks_warm_over_cold(
         engine_factory, device_dirs, cold_dir
     )
-    tokens, kv = store(engine, connector, 4, seed=5)
+    tokens, kv = store_chunks(engine, connector, 4, seed=5)
     where = [cache.tier_of(k) for k in harness.chunk_keys(engine, tokens)]
     assert sorted(where) == ["cold", "cold", "warm", "warm"]
     # each tier's read waits for the other's to start: read one after the
@@ -464,7 +462,8 @@ def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
     judged = GUARD_MIN // UNIT_KEYS
     rounds = judged + 2 * GUARD_PROBE_EVERY
     requests = [
-        store(engine, connector, UNIT_KEYS, seed=100 + i)[0] for i in range(rounds)
+        store_chunks(engine, connector, UNIT_KEYS, seed=100 + i)[0]
+        for i in range(rounds)
     ]
     harness.clear_cpu_tier(engine)
 

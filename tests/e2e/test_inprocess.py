@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from e2e.vllm_phases import (
-    CHUNK,
+    CACHED,
     PROMPT_LENGTHS,
     free_port,
     full_chunks,
@@ -29,9 +29,6 @@ from e2e.vllm_phases import (
 )
 
 pytestmark = pytest.mark.e2e
-
-#: the tokens vLLM must not compute after a restart: every full chunk
-CACHED = [n // CHUNK * CHUNK for n in PROMPT_LENGTHS]
 
 
 @pytest.fixture(scope="module")

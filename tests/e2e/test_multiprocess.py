@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from e2e.vllm_phases import (
+    CACHED,
     CHUNK,
     CHUNK_COUNT_TIMEOUT_S,
     PHASE_TIMES,
-    PROMPT_LENGTHS,
     free_port,
     full_chunks,
     phase_env,
@@ -32,8 +32,6 @@ from e2e.vllm_phases import (
 )
 
 pytestmark = pytest.mark.e2e
-
-CACHED = [n // CHUNK * CHUNK for n in PROMPT_LENGTHS]
 
 
 def server_command(port: int, http_port: int, warm: Path, engine: str) -> list[str]:

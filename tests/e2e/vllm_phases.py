@@ -19,6 +19,8 @@ HERE = Path(__file__).resolve().parent
 CHUNK = 256
 #: the prompts: lengths not multiples of CHUNK, so each ends in a partial chunk
 PROMPT_LENGTHS = (1100, 800)
+#: the tokens vLLM must not compute after a restart: every full chunk
+CACHED = [n // CHUNK * CHUNK for n in PROMPT_LENGTHS]
 MAX_TOKENS = 16
 #: how long stores may take to land after vLLM's requests finished
 CHUNK_COUNT_TIMEOUT_S = 30
