@@ -795,9 +795,15 @@ def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
     first, second = store_two_chains(adapter)
     cache = adapter_cache(adapter)
     assert Caller(adapter).lookup(first[:1]) == [0]
-    wait_until(lambda: all(cache.tier_of(k) == "warm" for k in first))
-    assert [cache.tier_of(k) for k in second] == ["cold"] * 4
     stats = cache.promoter.stats
+    # The promoter counts bytes after the store made them visible: wait on both.
+    wait_until(
+        lambda: (
+            stats.bytes_promoted_warm >= 4 * CHUNK
+            and all(cache.tier_of(k) == "warm" for k in first)
+        )
+    )
+    assert [cache.tier_of(k) for k in second] == ["cold"] * 4
     assert stats.plans == 2 and stats.keys_planned == 4
     assert stats.bytes_promoted_warm == 4 * CHUNK and stats.bytes_promoted_hot == 0
     assert adapter.report_status()["warmup"]["bytes_promoted_warm"] == 4 * CHUNK
@@ -878,7 +884,13 @@ def test_touch_feeds_the_warmup_policy(
     first, _ = store_two_chains(adapter)
     cache = adapter_cache(adapter)
     adapter.submit_touch(first[:1])
-    wait_until(lambda: all(cache.tier_of(k) == "warm" for k in first))
+    # The promoter counts bytes after the store made them visible: wait on both.
+    wait_until(
+        lambda: (
+            cache.promoter.stats.bytes_promoted_warm >= 4 * CHUNK
+            and all(cache.tier_of(k) == "warm" for k in first)
+        )
+    )
     assert cache.promoter.stats.bytes_promoted_warm == 4 * CHUNK
     assert not any(cache.unpin(k) for k in first)
 

@@ -136,7 +136,13 @@ def test_lookahead_promotes_the_found_prefix_to_hot(
     harness.clear_cpu_tier(engine)
     keys = harness.chunk_keys(engine, tokens)
     assert harness.lookup(engine, tokens) == 4 * CHUNK
-    wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
+    # The promoter counts bytes after the put made them visible: wait on both.
+    wait_until(
+        lambda: (
+            cache.promoter.stats.bytes_promoted_hot >= 4 * CHUNK_BYTES
+            and all(cache.where(k) == "hot" for k in keys)
+        )
+    )
     assert cache.promoter.stats.bytes_promoted_hot == 4 * CHUNK_BYTES
     reads = cache.warm.stats.hits
     out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
