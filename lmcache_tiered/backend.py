@@ -59,14 +59,17 @@ def _hint_port(base: int, metadata: LMCacheMetadata | None) -> int:
     return base + metadata.local_worker_id
 
 
-def pinned_pool(hot: LocalCPUBackend) -> tuple[int, int] | None:
-    """(address, bytes) of LMCache's CPU pool if it is page-locked memory (as
-    on GPU hosts), else None. Registering a pageable pool as io_uring fixed
-    buffers would commit all of it at start-up; a pinned one already is."""
+def registrable_pool(hot: LocalCPUBackend, mode: str) -> tuple[int, int] | None:
+    """(address, bytes) of LMCache's CPU pool to register as io_uring fixed
+    buffers under ``tiered.register_cpu_pool`` = ``mode``, else None.
+
+    ``auto`` takes only a page-locked pool (as on GPU hosts): registering a
+    pageable one pins, so commits, all of it at start-up, which ``always``
+    accepts (reads then pin no pages per request, as with a pinned pool)."""
     buffer = cpu_pool_buffer(hot)
-    if buffer is None or not buffer.numel():
+    if mode == "never" or buffer is None or not buffer.numel():
         return None
-    if buffer.device.type != "cpu" or not buffer.is_pinned():
+    if buffer.device.type != "cpu" or (mode == "auto" and not buffer.is_pinned()):
         return None
     return buffer.data_ptr(), buffer.numel() * buffer.element_size()
 
@@ -101,7 +104,9 @@ class TieredBackend(StoragePluginInterface):
             )
             if local_cpu_backend is not None:
                 self.cache = self._open_cache(metadata, local_cpu_backend)
-                pool = pinned_pool(local_cpu_backend)
+                pool = registrable_pool(
+                    local_cpu_backend, self.settings.register_cpu_pool
+                )
                 if pool is not None:
                     self.cache.register_memory(*pool)
                 if self.settings.hint_port >= 0:

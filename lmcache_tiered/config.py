@@ -207,6 +207,13 @@ SETTINGS: dict[str, Setting] = {
     "io_engine": Setting(
         _choice("auto", "uring", "threads"), "auto", "auto | uring | threads"
     ),
+    "register_cpu_pool": Setting(
+        _choice("auto", "always", "never"),
+        "auto",
+        "register LMCache's CPU pool as io_uring fixed buffers: auto (when LMCache "
+        "pinned it, as on GPU hosts) | always (also a pageable pool: commits its "
+        "memory at start-up) | never",
+    ),
     "queue_depth": Setting(
         _in_range(_positive(_parse_int), 1, MAX_QUEUE_DEPTH),
         64,
@@ -298,6 +305,7 @@ class TieredConfig:
     #: the cold tier on a store instead: LMCache's ``--l2-adapter`` JSON
     cold_adapter: Mapping[str, Any] | None = None
     io_engine: str = "auto"
+    register_cpu_pool: str = "auto"
     queue_depth: int = 64
     stripe_bytes: int = 1 << 20
     direct_io: bool = True
@@ -377,6 +385,7 @@ class TieredConfig:
             cold=cold,
             cold_adapter=values["cold.adapter"],
             io_engine=values["io_engine"],
+            register_cpu_pool=values["register_cpu_pool"],
             queue_depth=values["queue_depth"],
             stripe_bytes=stripe_kb * 1024,
             direct_io=values["direct_io"],

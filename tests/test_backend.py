@@ -15,9 +15,8 @@ import pytest
 import torch
 from conftest import ENGINES, plugin_extra_config, store_request
 
-import lmcache_tiered.backend as backend_module
 import lmcache_tiered.io as io_pkg
-from lmcache_tiered.backend import TieredBackend, pinned_pool
+from lmcache_tiered.backend import TieredBackend, registrable_pool
 from lmcache_tiered.bench import harness
 from lmcache_tiered.io import probe
 from lmcache_tiered.tier import Tier
@@ -234,31 +233,32 @@ def test_get_non_blocking_returns_a_future_of_the_chunk(
     assert backend.get_non_blocking(harness_key(999)) is None
 
 
-def test_a_pageable_cpu_pool_is_not_registered(
+def test_a_pageable_cpu_pool_is_registered_only_when_asked(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
     """On a CPU-only host LMCache's pool is pageable: pinning all of it for
-    io_uring would commit it at start-up, so it is left alone."""
+    io_uring would commit it at start-up, so ``auto`` leaves it alone and
+    ``always`` takes it whole."""
     engine, _ = engine_factory(plugin_extra_config(device_dirs, io_engine="uring"))
     hot = harness.get_local_cpu_backend(engine)
-    assert hot is not None and pinned_pool(hot) is None
+    assert hot is not None
+    assert registrable_pool(hot, "auto") is None
+    assert registrable_pool(hot, "never") is None
+    buffer = hot.memory_allocator.buffer
+    assert registrable_pool(hot, "always") == (
+        buffer.data_ptr(),
+        buffer.numel() * buffer.element_size(),
+    )
 
 
-def test_pinned_cpu_pool_serves_reads_as_fixed_buffers(
-    engine_factory: EngineFactory,
-    device_dirs: list[Path],
-    monkeypatch: pytest.MonkeyPatch,
+def test_registered_cpu_pool_serves_reads_as_fixed_buffers(
+    engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:
-    """LMCache's pool is page-locked on GPU hosts; pinned host memory needs
-    CUDA, so here the pageable pool stands in for it (the only stand-in)."""
-
-    def whole_pool(hot: Any) -> tuple[int, int]:
-        buffer = hot.memory_allocator.buffer
-        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
-
-    monkeypatch.setattr(backend_module, "pinned_pool", whole_pool)
+    """LMCache's pool is page-locked on GPU hosts (pinned host memory needs
+    CUDA); ``register_cpu_pool: always`` registers the pageable one here."""
     engine, connector = engine_factory(
-        plugin_extra_config(device_dirs, io_engine="uring"), max_local_cpu_size_gb=0.1
+        plugin_extra_config(device_dirs, io_engine="uring", register_cpu_pool="always"),
+        max_local_cpu_size_gb=0.1,
     )
     ring = warm_tier(tiered(engine)).engine
     tokens, kv = store_request(engine, connector, 3 * 256, seed=5)

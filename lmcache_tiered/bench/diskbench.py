@@ -6,7 +6,9 @@ In one run, on the same paths and the same chunks:
    blocks that hold the tiered data (its slab files), else our raw loop;
 2. LMCache's stock ``LocalDiskBackend`` (``use_odirect: true``);
 3. LMCache's ``RustRawBlockBackend`` on a file, when its package is installed;
-4. ``TieredBackend``.
+4. ``TieredBackend``, with LMCache's CPU pool registered as io_uring fixed
+   buffers (``tiered.register_cpu_pool: always``), as it is on a GPU host,
+   where LMCache pins the pool; a CPU-only host's pool is pageable.
 
 2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
 CPU tier is emptied and the page cache dropped, so every byte comes from disk.
@@ -40,6 +42,7 @@ import torch
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench import harness, report
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
+from lmcache_tiered.io.uring import UringEngine
 
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
 #: the layer count is chosen so a chunk has the requested size
@@ -102,6 +105,9 @@ def contenders(
                 "tiered.warm.paths": paths,
                 "tiered.warm.capacity_gb": total_gb,
                 "tiered.io_engine": args.io_engine,
+                # as on a GPU host, where LMCache pins the pool and ``auto``
+                # registers it; a CPU-only host's pool is pageable
+                "tiered.register_cpu_pool": "always",
                 "tiered.queue_depth": args.queue_depth,
                 "tiered.warmup.policy": "none",
             },
@@ -368,7 +374,10 @@ def run_placement(
                 placement.cpu_s_per_gb.setdefault(name, []).append(
                     measured.cpu_s_per_gb
                 )
-        return placement, method, warm.engine.name
+        engine = warm.engine
+        if isinstance(engine, UringEngine) and engine.stats()["fixed"]:
+            return placement, method, f"{engine.name}, CPU pool registered"
+        return placement, method, engine.name
     finally:
         harness.destroy_all_engines()
         shutil.rmtree(work, ignore_errors=True)
