@@ -19,9 +19,9 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered import cli
+from lmcache_tiered import cli, testing
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import diskbench, harness, presets, replay, report, trace
+from lmcache_tiered.bench import diskbench, presets, replay, report, trace
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
@@ -332,7 +332,7 @@ def test_policies_see_production_seconds(tmp_path: Path) -> None:
         wall = time.monotonic() - began_wall
         assert backend.cache.now() - began == pytest.approx(wall * setup.clock, rel=0.2)
     finally:
-        harness.destroy_engine(engine)
+        testing.destroy_engine(engine)
         dirs.remove()
 
 
@@ -596,8 +596,8 @@ def test_paired_changes_compare_run_i_with_run_i_of_none() -> None:
 def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
     args = bench_args(tmp_path, session_trace(tmp_path))
     setup = replay.make_setup(args, replay.load_requests(args))
-    config = harness.build_config(max_local_cpu_size_gb=0.05)
-    engine, _ = harness.build_engine(
+    config = testing.build_config(max_local_cpu_size_gb=0.05)
+    engine, _ = testing.build_engine(
         config, num_layers=1, num_kv_heads=1, head_size=setup.shape.head_size
     )
     try:
@@ -605,14 +605,14 @@ def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
         tokens = torch.arange(2 * CHUNK)
         kv = torch.zeros(1, 2, 2 * CHUNK, 1, setup.shape.head_size).bfloat16()
         engine.store(tokens, kvcaches=kv)
-        harness.retrieve_tokens(engine, tokens, kv=kv)
+        testing.retrieve_tokens(engine, tokens, kv=kv)
         nbytes = 2 * 2 * CHUNK * setup.shape.bytes_per_token  # down, then up
         assert copies.modelled_s == pytest.approx(
             nbytes / setup.profile.pcie_bytes_per_s
         )
         assert copies.measured_s > 0
     finally:
-        harness.destroy_engine(engine)
+        testing.destroy_engine(engine)
 
 
 # ----------------------------------------------------------------- diskbench

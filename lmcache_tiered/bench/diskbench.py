@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench import harness, report
+from lmcache_tiered.bench import report
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
 
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
@@ -159,21 +160,21 @@ def fill(contender: Contender, chunk_bytes: int, n_requests: int) -> float:
     """Build the contender's engine and store ``n_requests`` x 32 chunks;
     the write GB/s."""
     layers = chunk_bytes // (2 * CHUNK_TOKENS * HEADS * HEAD_SIZE * 2)
-    config = harness.build_config(
+    config = testing.build_config(
         chunk_size=CHUNK_TOKENS,
         max_local_cpu_size_gb=max(1.0, 3 * REQUEST_CHUNKS * chunk_bytes / 2**30),
         extra_config=contender.extra,
         **contender.config,
     )
-    contender.engine, connector = harness.build_engine(
+    contender.engine, connector = testing.build_engine(
         config, num_layers=layers, num_kv_heads=HEADS, head_size=HEAD_SIZE
     )
     tokens_per_request = REQUEST_CHUNKS * CHUNK_TOKENS
-    kv = harness.make_kv(connector, tokens_per_request, seed=1)
+    kv = testing.make_kv(connector, tokens_per_request, seed=1)
     started = time.perf_counter()
     for i in range(n_requests):
-        tokens = harness.make_tokens(tokens_per_request, seed=1000 + i)
-        harness.store_tokens(contender.engine, tokens, kv)
+        tokens = testing.make_tokens(tokens_per_request, seed=1000 + i)
+        testing.store_tokens(contender.engine, tokens, kv)
         contender.requests.append(tokens)
     wait_stored(contender, chunk_bytes)
     elapsed = time.perf_counter() - started
@@ -187,11 +188,11 @@ def wait_stored(contender: Contender, chunk_bytes: int) -> None:
     flight), so a contender that stored nothing for :data:`STALL_S` seconds
     has failed: StoreFailed, with what a test write in its directories says.
     """
-    backend = harness.get_backends(contender.engine)[contender.location]
+    backend = testing.get_backends(contender.engine)[contender.location]
     keys = [
         key
         for tokens in contender.requests
-        for key in harness.chunk_keys(contender.engine, tokens)
+        for key in testing.chunk_keys(contender.engine, tokens)
     ]
     pending, progressed = keys, time.monotonic()
     while pending:
@@ -268,20 +269,20 @@ class Round:
 def read_round(contender: Contender, chunk_bytes: int) -> Round:
     """Cold-read every stored chunk through StorageManager.batched_get."""
     engine = contender.engine
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
     drop_page_cache()
     disk_before = storage_bytes_read()
     cpu_before = time.process_time()
     started = time.perf_counter()
     for tokens in contender.requests:
-        objs = harness.get_chunks(engine, tokens, contender.location)
+        objs = testing.get_chunks(engine, tokens, contender.location)
         missing = sum(obj is None for obj in objs)
         if missing:
             raise RuntimeError(f"{contender.name}: {missing} chunks not served")
         for obj in objs:
             assert obj is not None
             obj.ref_count_down()
-        harness.clear_cpu_tier(engine)
+        testing.clear_cpu_tier(engine)
     elapsed = time.perf_counter() - started
     cpu = time.process_time() - cpu_before
     served = len(contender.requests) * REQUEST_CHUNKS * chunk_bytes
@@ -352,7 +353,7 @@ def run_placement(
                 contender, chunk_bytes, n_requests
             )
         tiered = next(c for c in runs if c.name == "tiered")
-        warm = harness.get_backends(tiered.engine)["tiered"].cache.warm
+        warm = testing.get_backends(tiered.engine)["tiered"].cache.warm
         slabs = warm.slab_paths
         total_bytes = n_requests * REQUEST_CHUNKS * chunk_bytes
         method = ""
@@ -370,7 +371,7 @@ def run_placement(
                 )
         return placement, method, warm.engine.name
     finally:
-        harness.destroy_all_engines()
+        testing.destroy_all_engines()
         shutil.rmtree(work, ignore_errors=True)
         for path in paths:
             shutil.rmtree(path, ignore_errors=True)
@@ -518,7 +519,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    harness.set_lmcache_log_level(logging.ERROR)
+    testing.set_lmcache_log_level(logging.ERROR)
     try:
         for option, path in [("--workdir", args.workdir)] + [
             ("--paths", p) for p in (args.paths or "").split(",") if args.paths

@@ -51,9 +51,10 @@ from typing import Any
 import torch
 from lmcache.v1.config import LMCacheEngineConfig
 
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness, presets, report, trace
+from lmcache_tiered.bench import presets, report, trace
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.profiles import (
     DEFAULT_PROFILE,
@@ -352,7 +353,7 @@ def engine_config(name: str, setup: Setup, dirs: _Dirs) -> LMCacheEngineConfig:
         "max_local_cpu_size_gb": setup.hot_gb or setup.staging_gb,
     }
     if policy == LOCAL_DISK:
-        return harness.build_config(
+        return testing.build_config(
             **memory,
             local_disk=",".join(dirs.baseline or dirs.warm),
             max_local_disk_size_gb=setup.baseline_disk_gb,
@@ -372,7 +373,7 @@ def engine_config(name: str, setup: Setup, dirs: _Dirs) -> LMCacheEngineConfig:
     if dirs.cold:
         extra["tiered.cold.paths"] = dirs.cold
         extra["tiered.cold.capacity_gb"] = setup.cold_gb
-    return harness.build_config(
+    return testing.build_config(
         **memory, extra_config=extra, storage_plugins=["tiered"]
     )
 
@@ -403,7 +404,7 @@ def build_variant(
     capture = _ErrorCapture()
     plugin_logger.addFilter(capture)
     try:
-        engine, _ = harness.build_engine(
+        engine, _ = testing.build_engine(
             engine_config(name, setup, dirs),
             num_layers=1,
             num_kv_heads=1,
@@ -415,9 +416,9 @@ def build_variant(
         plugin_logger.removeFilter(capture)
     if policy_of(name) == LOCAL_DISK:
         return engine, None
-    backend = harness.get_backends(engine).get("tiered")
+    backend = testing.get_backends(engine).get("tiered")
     if not isinstance(backend, TieredBackend):
-        harness.destroy_engine(engine)
+        testing.destroy_engine(engine)
         reason = "; ".join(r.getMessage() for r in capture.records) or "see the log"
         raise VariantUnavailable(f"the tiered backend did not load: {reason}")
     for record in capture.records:
@@ -458,7 +459,7 @@ def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunR
             raise
         finally:
             if engine is not None:
-                harness.destroy_engine(engine)
+                testing.destroy_engine(engine)
         progress.close(f"done in {wall:.0f}s")
         return result
     finally:
