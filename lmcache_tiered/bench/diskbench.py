@@ -11,9 +11,9 @@ In one run, on the same paths and the same chunks:
 2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
 CPU tier is emptied and the page cache dropped, so every byte comes from disk.
 
-Where data lands matters as much as how it is read: on the development VM
-two identical TieredBackends read their files at 2.2 and 1.1 GB/s, each
-steadily, depending only on the blocks their files got. So the comparison
+Where data lands matters as much as how it is read: two identical
+TieredBackends can read at steadily different speeds, depending only on the
+blocks their files got (README, "Disk", has the figures). So the comparison
 is repeated over ``--placements`` fresh sets of files (filled in a rotated
 order), with ``--rounds`` interleaved cold rounds on each; figures are
 medians over all rounds, and ratios are taken round by round.
