@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from lmcache_tiered import testing
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness
 
 CHUNK, CHUNK_BYTES = 256, 256 * 1024  # the harness's tiny model
 REQUESTS, CHUNKS, ROUNDS, WARM_CHUNKS = 4, 8, 3, 8
@@ -56,27 +56,27 @@ def run(policy: str, port: int) -> None:
     }
     if policy == "lookahead":
         extra["tiered.warmup.lookahead.promote_found"] = True
-    config = harness.build_config(
+    config = testing.build_config(
         extra_config=extra, storage_plugins=["tiered"], max_local_cpu_size=1
     )
-    engine, connector = harness.build_engine(config)
-    backend = harness.get_backends(engine)["tiered"]
+    engine, connector = testing.build_engine(config)
+    backend = testing.get_backends(engine)["tiered"]
     assert isinstance(backend, TieredBackend) and backend.cache is not None
     cache = backend.cache
     requests = []
     for r in range(REQUESTS):
-        tokens = harness.make_tokens(CHUNKS * CHUNK, seed=100 + r)
-        kv = harness.make_kv(connector, CHUNKS * CHUNK, seed=200 + r)
-        harness.store_tokens(engine, tokens, kv)
+        tokens = testing.make_tokens(CHUNKS * CHUNK, seed=100 + r)
+        kv = testing.make_kv(connector, CHUNKS * CHUNK, seed=200 + r)
+        testing.store_tokens(engine, tokens, kv)
         cache.flush()
         requests.append((tokens, kv))
     served = identical = 0
     for _ in range(ROUNDS):
         for tokens, kv in requests:
-            harness.clear_cpu_tier(engine)
-            harness.lookup(engine, tokens)
+            testing.clear_cpu_tier(engine)
+            testing.lookup(engine, tokens)
             time.sleep(0.05)  # the warm-up window
-            out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+            out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
             served += int(mask.sum()) // CHUNK
             identical += int(torch.equal(out, kv))
             cache.flush()
@@ -95,7 +95,7 @@ def run(policy: str, port: int) -> None:
             indent=1,
         )
     )
-    harness.destroy_all_engines()
+    testing.destroy_all_engines()
 
 
 if __name__ == "__main__":

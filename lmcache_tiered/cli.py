@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 #: subcommand name -> module that implements it
 COMMANDS: dict[str, str] = {
-    "bench": "lmcache_tiered.bench.replay",
+    "bench": "lmcache_tiered.bench.command",
     "diskbench": "lmcache_tiered.bench.diskbench",
     "inspect": "lmcache_tiered.ops.inspect",
     "fsck": "lmcache_tiered.ops.fsck",

@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import settings
 
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.keys import key_digest
@@ -50,7 +50,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 def cache_of(engine: Any) -> TieredCache:
     """The TieredCache behind an engine's tiered plugin."""
-    backend = harness.get_backends(engine)["tiered"]
+    backend = testing.get_backends(engine)["tiered"]
     assert isinstance(backend, TieredBackend) and backend.cache is not None
     return backend.cache
 
@@ -82,17 +82,17 @@ def engine_factory() -> Iterator[Callable[..., Any]]:
         async_loading: bool = False,
         plugins: tuple[str, ...] = ("tiered",),
         **config: Any,
-    ) -> tuple[Any, harness.CPUConnector]:
-        cfg = harness.build_config(
+    ) -> tuple[Any, testing.CPUConnector]:
+        cfg = testing.build_config(
             extra_config=extra_config,
             storage_plugins=list(plugins),
             enable_async_loading=async_loading,
             **config,
         )
-        return harness.build_engine(cfg, require_plugins=False)
+        return testing.build_engine(cfg, require_plugins=False)
 
     yield build
-    harness.destroy_all_engines()
+    testing.destroy_all_engines()
 
 
 @pytest.fixture
@@ -144,9 +144,9 @@ def store_chunks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Store ``n_chunks`` chunks of ``chunk`` tokens (tokens from ``seed``, KV
     from ``seed + 1``) and flush the plugin's writer."""
-    tokens = harness.make_tokens(n_chunks * chunk, seed=seed)
-    kv = harness.make_kv(connector, n_chunks * chunk, seed=seed + 1)
-    harness.store_tokens(engine, tokens, kv)
+    tokens = testing.make_tokens(n_chunks * chunk, seed=seed)
+    kv = testing.make_kv(connector, n_chunks * chunk, seed=seed + 1)
+    testing.store_tokens(engine, tokens, kv)
     cache_of(engine).flush()
     return tokens, kv
 
@@ -156,8 +156,8 @@ def store_request(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Store a request of ``n_tokens`` (tokens from ``seed``, KV from
     ``seed + 1``) and wait until every lower tier holds it durably."""
-    tokens = harness.make_tokens(n_tokens, seed=seed)
-    kv = harness.make_kv(connector, n_tokens, seed=seed + 1)
-    harness.store_tokens(engine, tokens, kv)
-    harness.wait_for_puts(engine, tokens)
+    tokens = testing.make_tokens(n_tokens, seed=seed)
+    kv = testing.make_kv(connector, n_tokens, seed=seed + 1)
+    testing.store_tokens(engine, tokens, kv)
+    testing.wait_for_puts(engine, tokens)
     return tokens, kv

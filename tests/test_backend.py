@@ -16,8 +16,8 @@ import torch
 from conftest import ENGINES, plugin_extra_config, store_request
 
 import lmcache_tiered.io as io_pkg
+from lmcache_tiered import testing
 from lmcache_tiered.backend import TieredBackend, registrable_pool
-from lmcache_tiered.bench import harness
 from lmcache_tiered.io import probe
 from lmcache_tiered.tier import Tier
 
@@ -30,7 +30,7 @@ def warm_tier(backend: TieredBackend) -> Tier:
 
 
 def tiered(engine: Any) -> TieredBackend:
-    backend = harness.get_backends(engine).get("tiered")
+    backend = testing.get_backends(engine).get("tiered")
     assert isinstance(backend, TieredBackend), "plugin did not load"
     return backend
 
@@ -53,15 +53,15 @@ def test_store_clear_cpu_retrieve_identical(
     # 3 full chunks + a partial one
     tokens, kv = store_request(engine, connector, 1000, seed=1)
     assert len(backend.get_keys()) == 4
-    assert harness.clear_cpu_tier(engine) == 0
+    assert testing.clear_cpu_tier(engine) == 0
     if async_loading:
-        assert harness.async_lookup(engine, tokens, "req-1") == 1000
-        out, mask = harness.retrieve_tokens(
+        assert testing.async_lookup(engine, tokens, "req-1") == 1000
+        out, mask = testing.retrieve_tokens(
             engine, tokens, connector=connector, req_id="req-1"
         )
     else:
-        assert harness.lookup(engine, tokens) == 1000
-        out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+        assert testing.lookup(engine, tokens) == 1000
+        out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 1000
     assert torch.equal(out, kv)
     assert warm_tier(backend).stats.hits == 4
@@ -86,8 +86,8 @@ def test_engine_survives_a_probe_child_killed_by_sigill(
         backend = tiered(engine)
         assert warm_tier(backend).engine.name == "threads"
         tokens, kv = store_request(engine, connector, 512, seed=4)
-        assert harness.clear_cpu_tier(engine) == 0
-        out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+        assert testing.clear_cpu_tier(engine) == 0
+        out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
         assert int(mask.sum()) == 512 and torch.equal(out, kv)
     finally:
         probe.forget_verdict()
@@ -104,7 +104,7 @@ def test_bad_setting_is_logged_and_plugin_absent(
     extra = plugin_extra_config(device_dirs, queue_depth="deep")
     with caplog.at_level(logging.ERROR, logger="lmcache_tiered"):
         engine, _ = engine_factory(extra)
-    assert "tiered" not in harness.get_backends(engine)
+    assert "tiered" not in testing.get_backends(engine)
     assert "tiered.queue_depth: expected a number, got 'deep'" in caplog.text
 
 
@@ -113,7 +113,7 @@ def test_scheduler_role_without_cpu_backend(
 ) -> None:
     """In the scheduler role LMCache passes no CPU tier: the backend opens no
     files (workers on the host keep theirs) and reports no hits."""
-    config = harness.build_config(extra_config=plugin_extra_config(device_dirs))
+    config = testing.build_config(extra_config=plugin_extra_config(device_dirs))
     backend = TieredBackend(config=config, metadata=None, local_cpu_backend=None)
     try:
         key = harness_key(7)
@@ -140,12 +140,12 @@ def test_put_skips_stored_and_queued_keys_and_keeps_refcounts(
     backend = tiered(engine)
     tokens, kv = store_request(engine, connector, 512, seed=3)
     puts = warm_tier(backend).stats.puts
-    harness.store_tokens(engine, tokens, kv)  # the same chunks again
+    testing.store_tokens(engine, tokens, kv)  # the same chunks again
     backend.flush()
     assert warm_tier(backend).stats.puts == puts
-    cpu = harness.get_local_cpu_backend(engine)
+    cpu = testing.get_local_cpu_backend(engine)
     assert cpu is not None
-    for key in harness.chunk_keys(engine, tokens):
+    for key in testing.chunk_keys(engine, tokens):
         obj = cpu.hot_cache[key]
         assert obj.get_ref_count() == 1  # our write released its reference
 
@@ -155,8 +155,8 @@ def test_close_drains_pending_writes(
 ) -> None:
     engine, connector = engine_factory(plugin_extra_config(device_dirs))
     backend = tiered(engine)
-    tokens = harness.make_tokens(2048, seed=5)
-    harness.store_tokens(engine, tokens, harness.make_kv(connector, 2048, seed=6))
+    tokens = testing.make_tokens(2048, seed=5)
+    testing.store_tokens(engine, tokens, testing.make_kv(connector, 2048, seed=6))
     backend.close()
     assert warm_tier(backend).stats.puts == 8
     backend.close()  # idempotent
@@ -165,7 +165,7 @@ def test_close_drains_pending_writes(
 RESTART_SCRIPT = textwrap.dedent(
     """
     import sys, torch
-    from lmcache_tiered.bench import harness
+    from lmcache_tiered import testing
     paths, mode = sys.argv[1].split(","), sys.argv[2]
     extra = {
         "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
@@ -174,19 +174,19 @@ RESTART_SCRIPT = textwrap.dedent(
         "tiered.warm.capacity_gb": 0.25,
         "tiered.warmup.policy": "none",
     }
-    cfg = harness.build_config(extra_config=extra, storage_plugins=["tiered"])
-    engine, conn = harness.build_engine(cfg)
-    tokens = harness.make_tokens(768, seed=11)
-    kv = harness.make_kv(conn, 768, seed=12)
+    cfg = testing.build_config(extra_config=extra, storage_plugins=["tiered"])
+    engine, conn = testing.build_engine(cfg)
+    tokens = testing.make_tokens(768, seed=11)
+    kv = testing.make_kv(conn, 768, seed=12)
     if mode == "store":
-        harness.store_tokens(engine, tokens, kv)
-        harness.wait_for_puts(engine, tokens)
+        testing.store_tokens(engine, tokens, kv)
+        testing.wait_for_puts(engine, tokens)
         print("stored")
     else:
-        print("lookup", harness.lookup(engine, tokens))
-        out, mask = harness.retrieve_tokens(engine, tokens, connector=conn)
+        print("lookup", testing.lookup(engine, tokens))
+        out, mask = testing.retrieve_tokens(engine, tokens, connector=conn)
         print("retrieved", int(mask.sum()), torch.equal(out, kv))
-    harness.destroy_all_engines()
+    testing.destroy_all_engines()
     """
 )
 
@@ -222,11 +222,11 @@ def test_get_non_blocking_returns_a_future_of_the_chunk(
     engine, connector = engine_factory(plugin_extra_config(device_dirs))
     backend = tiered(engine)
     tokens, _ = store_request(engine, connector, 256, seed=21)
-    (key,) = harness.chunk_keys(engine, tokens)
+    (key,) = testing.chunk_keys(engine, tokens)
     future = backend.get_non_blocking(key)
     assert future is not None
     obj = future.result(timeout=10)
-    cpu = harness.get_local_cpu_backend(engine)
+    cpu = testing.get_local_cpu_backend(engine)
     assert cpu is not None and obj is not None
     assert torch.equal(obj.tensor, cpu.hot_cache[key].tensor)
     obj.ref_count_down()
@@ -240,7 +240,7 @@ def test_a_pageable_cpu_pool_is_registered_only_when_asked(
     io_uring would commit it at start-up, so ``auto`` leaves it alone and
     ``always`` takes it whole."""
     engine, _ = engine_factory(plugin_extra_config(device_dirs, io_engine="uring"))
-    hot = harness.get_local_cpu_backend(engine)
+    hot = testing.get_local_cpu_backend(engine)
     assert hot is not None
     assert registrable_pool(hot, "auto") is None
     assert registrable_pool(hot, "never") is None
@@ -262,8 +262,8 @@ def test_registered_cpu_pool_serves_reads_as_fixed_buffers(
     )
     ring = warm_tier(tiered(engine)).engine
     tokens, kv = store_request(engine, connector, 3 * 256, seed=5)
-    assert harness.clear_cpu_tier(engine) == 0
+    assert testing.clear_cpu_tier(engine) == 0
     fixed = ring.stats()["fixed"]
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 3 * 256 and torch.equal(out, kv)
     assert ring.stats()["fixed"] > fixed  # the reads went out as READ_FIXED

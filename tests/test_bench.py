@@ -19,14 +19,24 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered import cli
+from lmcache_tiered import cli, testing
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import diskbench, harness, presets, replay, report, trace
+from lmcache_tiered.bench import (
+    command,
+    diskbench,
+    presets,
+    report,
+    scenario,
+    serving,
+    trace,
+    variants,
+)
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
+from lmcache_tiered.bench.link import LinkModel, emulate_link
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
 
-CHUNK = replay.CHUNK_TOKENS
+CHUNK = scenario.CHUNK_TOKENS
 #: 128 KV bytes per token: 32 KiB chunks; no GPU prefix cache unless a test
 #: asks for one (so every reuse goes through LMCache)
 SMALL = ["--profile", "llama-3.1-8b-tp1", "--kv-scale", "1024", "--gpu-kv-gb", "0"]
@@ -131,13 +141,13 @@ def test_reference_profile_kv_bytes_and_scale() -> None:
 
 
 def test_link_model_parses_and_scales_with_the_clock() -> None:
-    link = replay.LinkModel.parse("2.5,0.5")
+    link = LinkModel.parse("2.5,0.5")
     assert (link.gbps, link.latency_s) == (2.5, 0.0005)
     # 1 GB of bench bytes is clock GB in production, moved clock times faster
     assert link.delay_s(10**9, clock=8) == pytest.approx(0.0005 / 8 + 0.4)
     for text in ("fast", "0", "1,2,3", "1,-1"):
         with pytest.raises(ValueError, match="cold link"):
-            replay.LinkModel.parse(text)
+            LinkModel.parse(text)
 
 
 def test_link_model_delays_reads_and_writes_of_a_tier(
@@ -153,7 +163,7 @@ def test_link_model_delays_reads_and_writes_of_a_tier(
         CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in (5, 6)
     )
     # 64 KiB over 0.001 GB/s: 65.5 ms, plus 100 ms of latency / clock 10
-    replay.emulate_link(tier, replay.LinkModel(0.001, 0.1), clock=10)
+    emulate_link(tier, LinkModel(0.001, 0.1), clock=10)
 
     def timed(io: Any) -> float:
         began = time.perf_counter()
@@ -194,7 +204,7 @@ def bench_argv(tmp_path: Path, trace_path: Path) -> list[str]:
 
 def bench_args(tmp_path: Path, trace_path: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    replay.add_parser(parser.add_subparsers())
+    command.add_parser(parser.add_subparsers())
     argv = bench_argv(tmp_path, trace_path)
     return parser.parse_args([*argv, "--plot", str(tmp_path / "bench.png"), *extra])
 
@@ -213,13 +223,13 @@ def session_trace(tmp_path: Path) -> Path:
 
 
 def run(args: argparse.Namespace, name: str) -> report.RunResult:
-    requests = replay.load_requests(args)
-    setup = replay.make_setup(args, requests)
-    workload = replay.Workload.build(requests, setup.shape, args.seed)
-    return replay.run_variant(name, setup, workload, name)
+    requests = scenario.load_requests(args)
+    setup = scenario.make_setup(args, requests)
+    workload = scenario.Workload.build(requests, setup.shape, args.seed)
+    return variants.run_variant(name, setup, workload, name)
 
 
-@pytest.mark.parametrize("variant", ["none", replay.LOCAL_DISK])
+@pytest.mark.parametrize("variant", ["none", variants.LOCAL_DISK])
 @pytest.mark.parametrize("hot_gb", ["0.05", "0"])
 def test_served_chunks_per_tier(tmp_path: Path, variant: str, hot_gb: str) -> None:
     """B reuses A's 3 full chunks: from the CPU tier when there is one, else
@@ -256,7 +266,7 @@ def test_arrival_hints_reach_the_backend(
 
     monkeypatch.setattr(TieredBackend, "hint", record)
     args = bench_args(tmp_path, session_trace(tmp_path))
-    requests = replay.load_requests(args)
+    requests = scenario.load_requests(args)
     run(args, "none")
     blocks = trace.TokenBlocks(args.seed)
     assert sorted(hinted) == sorted(blocks.tokens(r).tolist() for r in requests)
@@ -270,17 +280,19 @@ def test_baseline_gets_local_capacity_only_when_cold_is_remote(
         args = bench_args(
             tmp_path, trace_path, "--warm-gb", "1", "--cold-gb", "3", *extra
         )
-        setup = replay.make_setup(args, replay.load_requests(args))
+        setup = scenario.make_setup(args, scenario.load_requests(args))
         assert setup.baseline_disk_gb == (1.0 if remote else 4.0)
-        config = replay.engine_config(
-            replay.LOCAL_DISK, setup, replay._Dirs([], [], [])
+        config = variants.engine_config(
+            variants.LOCAL_DISK, setup, variants.VariantDirs([], [], [])
         )
         assert config.max_local_disk_size == setup.baseline_disk_gb
     # no cold tier at all: the stock backend gets what the plugin keeps, warm's
     args = bench_args(
         tmp_path, trace_path, "--warm-gb", "1", "--cold-gb", "3", "--cold", "none"
     )
-    assert replay.make_setup(args, replay.load_requests(args)).baseline_disk_gb == 1.0
+    assert (
+        scenario.make_setup(args, scenario.load_requests(args)).baseline_disk_gb == 1.0
+    )
 
 
 def test_baseline_disk_gives_the_stock_backend_its_own_directories(
@@ -300,12 +312,12 @@ def test_baseline_disk_gives_the_stock_backend_its_own_directories(
         "--baseline-disk",
         str(drives[0]),
     )
-    setup = replay.make_setup(args, replay.load_requests(args))
+    setup = scenario.make_setup(args, scenario.load_requests(args))
     assert setup.baseline_paths == (str(drives[0]),)
-    stock = replay._Dirs.create(setup, replay.LOCAL_DISK)
-    plugin = replay._Dirs.create(setup, "none")
+    stock = variants.VariantDirs.create(setup, variants.LOCAL_DISK)
+    plugin = variants.VariantDirs.create(setup, "none")
     try:
-        config = replay.engine_config(replay.LOCAL_DISK, setup, stock)
+        config = variants.engine_config(variants.LOCAL_DISK, setup, stock)
         assert config.local_disk == stock.baseline[0]
         assert Path(stock.baseline[0]).parent == drives[0]
         assert plugin.baseline == [] and len(plugin.warm) == 3
@@ -314,7 +326,7 @@ def test_baseline_disk_gives_the_stock_backend_its_own_directories(
         plugin.remove()
     assert sorted(p.name for d in drives for p in d.iterdir()) == []
     default_args = bench_args(tmp_path, session_trace(tmp_path), "--warm", warm)
-    default = replay.make_setup(default_args, replay.load_requests(default_args))
+    default = scenario.make_setup(default_args, scenario.load_requests(default_args))
     assert default.baseline_paths == default.warm_paths
 
 
@@ -322,9 +334,9 @@ def test_policies_see_production_seconds(tmp_path: Path) -> None:
     """The replay runs ``clock`` x faster than the modelled server; a policy's
     time settings (think-time leads, windows) keep their production meaning."""
     args = bench_args(tmp_path, session_trace(tmp_path))
-    setup = replay.make_setup(args, replay.load_requests(args))
-    dirs = replay._Dirs.create(setup, "none")
-    engine, backend = replay.build_variant("none", setup, dirs)
+    setup = scenario.make_setup(args, scenario.load_requests(args))
+    dirs = variants.VariantDirs.create(setup, "none")
+    engine, backend = variants.build_variant("none", setup, dirs)
     try:
         assert backend is not None and backend.cache is not None
         began_wall, began = time.monotonic(), backend.cache.now()
@@ -332,7 +344,7 @@ def test_policies_see_production_seconds(tmp_path: Path) -> None:
         wall = time.monotonic() - began_wall
         assert backend.cache.now() - began == pytest.approx(wall * setup.clock, rel=0.2)
     finally:
-        harness.destroy_engine(engine)
+        testing.destroy_engine(engine)
         dirs.remove()
 
 
@@ -343,9 +355,9 @@ def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
         Request(0.0, 400, 2, (1,), after=0, think_s=50.0),
     ]
     args = bench_args(tmp_path, session_trace(tmp_path))
-    setup = replay.make_setup(args, requests)
-    workload = replay.Workload.build(requests, setup.shape, 0)
-    first, second = replay.run_variant("none", setup, workload, "x").records
+    setup = scenario.make_setup(args, requests)
+    workload = scenario.Workload.build(requests, setup.shape, 0)
+    first, second = variants.run_variant("none", setup, workload, "x").records
     assert second.arrival >= first.finished + 50.0 / setup.clock
 
 
@@ -399,7 +411,7 @@ def test_default_run_writes_the_picture_and_says_what_it_compared(
     argv = bench_argv(tmp_path, session_trace(tmp_path))
     assert cli.main([*argv, "--policies", "none,hinted", "--json", "r.json"]) == 0
     out = capsys.readouterr().out
-    picture = tmp_path / replay.DEFAULT_PLOT
+    picture = tmp_path / command.DEFAULT_PLOT
     assert f"picture: {picture}" in out.splitlines()
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert picture.stat().st_size > 20_000  # three panels drawn, not a blank page
@@ -408,7 +420,7 @@ def test_default_run_writes_the_picture_and_says_what_it_compared(
     assert "vs LMCache's stock LocalDiskBackend (the local disk only" in summary
     assert "Best tiered variant " in summary and "tok/s" in summary
     rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
-    assert {"none", "hinted", replay.LOCAL_DISK} <= set(rows)
+    assert {"none", "hinted", variants.LOCAL_DISK} <= set(rows)
     link = json.loads((tmp_path / "r.json").read_text())["config"]["cold_link"]
     assert link == {"gbps": 2.0, "latency_s": 0.001}
 
@@ -455,13 +467,13 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     order: list[str] = []
-    run_variant = replay.run_variant
+    run_variant = variants.run_variant
 
     def recorded(name: str, *args: Any) -> report.RunResult:
         order.append(name)
         return run_variant(name, *args)
 
-    monkeypatch.setattr(replay, "run_variant", recorded)
+    monkeypatch.setattr(variants, "run_variant", recorded)
     out = tmp_path / "r.json"
     args = bench_args(
         tmp_path,
@@ -479,15 +491,15 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
         "none",
         "lookahead",
         NO_EXTERNAL_CACHE,
-        replay.LOCAL_DISK,
+        variants.LOCAL_DISK,
         "lookahead",
         NO_EXTERNAL_CACHE,
-        replay.LOCAL_DISK,
+        variants.LOCAL_DISK,
         "none",
     ]
     assert "change vs none, paired runs" in capsys.readouterr().out
     policies = json.loads(out.read_text())["policies"]
-    for name in ("lookahead", NO_EXTERNAL_CACHE, replay.LOCAL_DISK):
+    for name in ("lookahead", NO_EXTERNAL_CACHE, variants.LOCAL_DISK):
         assert len(policies[name]["paired_change_vs_none"]["ttft_p50_s"]) == 2
     assert "paired_change_vs_none" not in policies["none"]
 
@@ -495,14 +507,14 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
 def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert replay.number_twins(["none", "hinted", "none", "none"]) == [
+    assert variants.number_twins(["none", "hinted", "none", "none"]) == [
         "none",
         "hinted",
         "none#2",
         "none#3",
     ]
     given = ["none", "none#2", "none"]
-    assert replay.number_twins(given) == ["none", "none#2", "none#3"]
+    assert variants.number_twins(given) == ["none", "none#2", "none#3"]
     out = tmp_path / "aa.json"
     args = bench_args(
         tmp_path,
@@ -595,24 +607,24 @@ def test_paired_changes_compare_run_i_with_run_i_of_none() -> None:
 
 def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
     args = bench_args(tmp_path, session_trace(tmp_path))
-    setup = replay.make_setup(args, replay.load_requests(args))
-    config = harness.build_config(max_local_cpu_size_gb=0.05)
-    engine, _ = harness.build_engine(
+    setup = scenario.make_setup(args, scenario.load_requests(args))
+    config = testing.build_config(max_local_cpu_size_gb=0.05)
+    engine, _ = testing.build_engine(
         config, num_layers=1, num_kv_heads=1, head_size=setup.shape.head_size
     )
     try:
-        copies = replay.GpuCopies(engine, setup)
+        copies = serving.GpuCopies(engine, setup)
         tokens = torch.arange(2 * CHUNK)
         kv = torch.zeros(1, 2, 2 * CHUNK, 1, setup.shape.head_size).bfloat16()
         engine.store(tokens, kvcaches=kv)
-        harness.retrieve_tokens(engine, tokens, kv=kv)
+        testing.retrieve_tokens(engine, tokens, kv=kv)
         nbytes = 2 * 2 * CHUNK * setup.shape.bytes_per_token  # down, then up
         assert copies.modelled_s == pytest.approx(
             nbytes / setup.profile.pcie_bytes_per_s
         )
         assert copies.measured_s > 0
     finally:
-        harness.destroy_engine(engine)
+        testing.destroy_engine(engine)
 
 
 # ----------------------------------------------------------------- diskbench
@@ -795,25 +807,25 @@ def test_preset_sets_what_the_command_line_left_at_its_default(
     args = bench_args(
         tmp_path, session_trace(tmp_path), "--preset", "seed-r2", "--cold-link", "1,1"
     )
-    presets.apply(args.preset, args, args.preset_defaults, replay._PARSE)
+    presets.apply(args.preset, args, args.preset_defaults, command.PRESET_PARSE)
     assert args.workload == "long"
-    assert args.warm_link == replay.LinkModel(5.23, 0.0)
+    assert args.warm_link == LinkModel(5.23, 0.0)
     # given on the command line: kept
-    assert args.cold_link == replay.LinkModel(1.0, 0.001)
+    assert args.cold_link == LinkModel(1.0, 0.001)
     assert args.kv_scale == 1024 and args.profile == "llama-3.1-8b-tp1"
 
 
 def test_seed_preset_without_overrides_is_the_documented_point(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    replay.add_parser(parser.add_subparsers())
+    command.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--preset", "seed-r2"])
-    presets.apply(args.preset, args, args.preset_defaults, replay._PARSE)
+    presets.apply(args.preset, args, args.preset_defaults, command.PRESET_PARSE)
     assert (args.profile, args.workload, args.kv_scale) == (
         "qwen3-coder-480b-fp8-tp8",
         "long",
         16.0,
     )
-    assert args.cold_link == replay.LinkModel(5.23, 0.0001)
+    assert args.cold_link == LinkModel(5.23, 0.0001)
 
 
 def _summary(ttft: float, tps: float) -> dict[str, float]:

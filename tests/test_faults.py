@@ -36,10 +36,9 @@ from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered import layout
+from lmcache_tiered import layout, testing
 from lmcache_tiered import tier as tier_module
 from lmcache_tiered._lmcache import MixedMemoryAllocator
-from lmcache_tiered.bench import harness
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.io.base import IOEngine, IORequest
@@ -696,9 +695,9 @@ def test_warm_device_fails_cold_serves_the_engine(
     )
     engine, connector = engine_factory(extra)
     cache = cache_of(engine)
-    tokens = harness.make_tokens(1024, seed=3)
-    kv = harness.make_kv(connector, 1024, seed=4)
-    harness.store_tokens(engine, tokens, kv)
+    tokens = testing.make_tokens(1024, seed=3)
+    kv = testing.make_kv(connector, 1024, seed=4)
+    testing.store_tokens(engine, tokens, kv)
     cache.flush()
     device = FailingDevice(cache.warm.engine)
     cache.warm.engine = device
@@ -706,8 +705,8 @@ def test_warm_device_fails_cold_serves_the_engine(
     with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
         for _ in range(3):
             cache.flush()  # the cold hits' copies to warm hold CPU objects
-            assert harness.clear_cpu_tier(engine) == 0
-            out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+            assert testing.clear_cpu_tier(engine) == 0
+            out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
             assert int(mask.sum()) == 1024 and torch.equal(out, kv)
             retrieved += 1
         assert cache.warm.degraded is not None
@@ -715,9 +714,9 @@ def test_warm_device_fails_cold_serves_the_engine(
         assert len(degraded_lines(caplog)) == 1
         device.failing = False
         wait_until(lambda: cache.warm.degraded is None)
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
     hits = cache.warm.stats.hits
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 1024 and torch.equal(out, kv)
     assert cache.warm.stats.hits == hits + 4
     figures(
@@ -783,31 +782,31 @@ def test_full_cpu_pool_is_a_miss_not_a_hang(
         max_local_cpu_size_gb=4 / 1024,
     )
     cache = cache_of(engine)
-    tokens = harness.make_tokens(1024, seed=7)
-    kv = harness.make_kv(connector, 1024, seed=8)
-    harness.store_tokens(engine, tokens, kv)
-    harness.wait_for_puts(engine, tokens)
-    harness.clear_cpu_tier(engine)
-    cpu = harness.get_local_cpu_backend(engine)
+    tokens = testing.make_tokens(1024, seed=7)
+    kv = testing.make_kv(connector, 1024, seed=8)
+    testing.store_tokens(engine, tokens, kv)
+    testing.wait_for_puts(engine, tokens)
+    testing.clear_cpu_tier(engine)
+    cpu = testing.get_local_cpu_backend(engine)
     assert cpu is not None
     held = []
-    shape = harness.kv_chunk_shape(256)
+    shape = testing.kv_chunk_shape(256)
     while (obj := cpu.allocate(shape, torch.bfloat16, busy_loop=False)) is not None:
         held.append(obj)
     assert held
 
     def retrieve(lookup_id: str) -> int:
         if async_loading:
-            hit = harness.async_lookup(engine, tokens, lookup_id)
+            hit = testing.async_lookup(engine, tokens, lookup_id)
             if not hit:
-                harness.release_async_lookup(engine, lookup_id)
+                testing.release_async_lookup(engine, lookup_id)
                 return 0
-            _, mask = harness.retrieve_tokens(
+            _, mask = testing.retrieve_tokens(
                 engine, tokens, connector=connector, req_id=lookup_id
             )
-            harness.release_async_lookup(engine, lookup_id)
+            testing.release_async_lookup(engine, lookup_id)
         else:
-            _, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+            _, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
         return int(mask.sum())
 
     wall, cpu_time = time.monotonic(), time.process_time()
@@ -818,13 +817,13 @@ def test_full_cpu_pool_is_a_miss_not_a_hang(
     assert misses >= 1
     for obj in held:
         obj.ref_count_down()
-    out_kv = harness.make_kv(connector, 1024, seed=None)
+    out_kv = testing.make_kv(connector, 1024, seed=None)
     if async_loading:
-        assert harness.async_lookup(engine, tokens, "fed") == 1024
-        out, mask = harness.retrieve_tokens(engine, tokens, kv=out_kv, req_id="fed")
-        harness.release_async_lookup(engine, "fed")
+        assert testing.async_lookup(engine, tokens, "fed") == 1024
+        out, mask = testing.retrieve_tokens(engine, tokens, kv=out_kv, req_id="fed")
+        testing.release_async_lookup(engine, "fed")
     else:
-        out, mask = harness.retrieve_tokens(engine, tokens, kv=out_kv)
+        out, mask = testing.retrieve_tokens(engine, tokens, kv=out_kv)
     assert int(mask.sum()) == 1024 and torch.equal(out, kv)
     figures(
         f"cpu-pool-full-{'async' if async_loading else 'sync'}",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered.bench import harness as h
+from lmcache_tiered import testing as h
 
 CHUNK = 256
 NUM_TOKENS = 3 * CHUNK

@@ -39,10 +39,9 @@ from test_faults import (
     tiered_config,
 )
 
-from lmcache_tiered import layout
+from lmcache_tiered import layout, testing
 from lmcache_tiered import shared as shared_module
 from lmcache_tiered import tier as tier_module
-from lmcache_tiered.bench import harness
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import ConfigError
 from lmcache_tiered.keys import key_text
@@ -568,5 +567,5 @@ def test_slot_mb_below_one_chunk_is_refused_at_start(
     extra = plugin_extra_config(device_dirs, slot_mb=0.01)
     with caplog.at_level(logging.ERROR, logger="lmcache_tiered"):
         engine, _ = engine_factory(extra)
-    assert "tiered" not in harness.get_backends(engine)
+    assert "tiered" not in testing.get_backends(engine)
     assert "tiered.slot_mb: 0.01 MiB is less than one full chunk" in caplog.text

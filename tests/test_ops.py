@@ -18,9 +18,9 @@ from conftest import plugin_extra_config, random_kv
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.keys import key_text
@@ -363,13 +363,13 @@ def test_warmup_trace_hints_a_live_server_into_hot(
         device_dirs, **{"warmup.policy": "hinted", "warmup.hint_port": 0}
     )
     engine, connector = engine_factory(extra)
-    backend = harness.get_backends(engine)["tiered"]
+    backend = testing.get_backends(engine)["tiered"]
     assert isinstance(backend, TieredBackend) and backend.cache is not None
     assert backend.hint_server is not None
-    tokens = harness.make_tokens(768, seed=9)
-    harness.store_tokens(engine, tokens, harness.make_kv(connector, 768, seed=10))
+    tokens = testing.make_tokens(768, seed=9)
+    testing.store_tokens(engine, tokens, testing.make_kv(connector, 768, seed=10))
     backend.flush()
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
     trace = tmp_path / "trace.jsonl"
     trace.write_text(
         json.dumps({"token_ids": tokens.tolist(), "deadline_s": 30}) + "\n"
@@ -379,7 +379,7 @@ def test_warmup_trace_hints_a_live_server_into_hot(
     )
     assert code == 0 and "1 hint(s) accepted" in out
     cache = backend.cache
-    keys = harness.chunk_keys(engine, tokens)
+    keys = testing.chunk_keys(engine, tokens)
     deadline = time.monotonic() + 10
     while not all(cache.where(k) == "hot" for k in keys):
         assert time.monotonic() < deadline, "hinted chunks never reached hot"

@@ -20,10 +20,9 @@ from conftest import cache_of, store_chunks, wait_until
 from test_mp import CHUNK as MP_CHUNK
 from test_mp import SLOT, Caller, memory_obj, okey, params
 
-from lmcache_tiered import adapter_tier
+from lmcache_tiered import adapter_tier, testing
 from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.adapter_tier import AdapterTier
-from lmcache_tiered.bench import harness
 from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.keys import key_digest
 from lmcache_tiered.mp import TieredL2Adapter
@@ -144,29 +143,29 @@ def test_warm_too_small_demotes_to_redis_and_a_new_cache_is_served_from_it(
     engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
     first, first_kv = store_chunks(engine, connector, 2, seed=1)
     second, second_kv = store_chunks(engine, connector, 2, seed=11)
-    first_keys = harness.chunk_keys(engine, first)
+    first_keys = testing.chunk_keys(engine, first)
     # warm holds two chunks: the second request's demoted the first's to Redis
     assert [cache.tier_of(k) for k in first_keys] == ["cold", "cold"]
     assert len(redis.objects()) == 2 * 2  # payload and header of each
     cold = cache.tiers["cold"]
     assert cold.engine.name == "l2:resp"
-    harness.clear_cpu_tier(engine)
-    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
     assert cold.stats.hits == 2
     cache.flush()  # cold hits are copied to warm, demoting the second pair
     assert [cache.tier_of(k) for k in first_keys] == ["warm", "warm"]
     snapshot = cache.snapshot()["tiers"]["cold"]
     assert snapshot["puts"] == 4 and snapshot["hits"] == 2
-    harness.destroy_all_engines()
+    testing.destroy_all_engines()
 
     # a new cache with an empty warm tier finds them all in Redis
     engine, connector, cache = store_engine(engine_factory, tmp_path / "b", redis)
-    assert harness.lookup(engine, second) == 2 * CHUNK
-    out, mask = harness.retrieve_tokens(engine, second, connector=connector)
+    assert testing.lookup(engine, second) == 2 * CHUNK
+    out, mask = testing.retrieve_tokens(engine, second, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, second_kv)
     cache.flush()
-    keys = harness.chunk_keys(engine, second)
+    keys = testing.chunk_keys(engine, second)
     assert [cache.warm.header(k) is not None for k in keys] == [True, True]
     assert cache.tiers["cold"].stats.hits == 2
 
@@ -181,7 +180,7 @@ def test_write_through_puts_every_chunk_in_redis(
         **{"cold.write": "through", "warm.capacity_gb": 0.25},
     )
     tokens, _ = store_chunks(engine, connector, 3, seed=2)
-    for key in harness.chunk_keys(engine, tokens):
+    for key in testing.chunk_keys(engine, tokens):
         assert cache.warm.header(key) is not None
         assert cache.tiers["cold"].header(key) is not None
     assert len(redis.objects()) == 3 * 2
@@ -191,7 +190,7 @@ _HOST = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import cache_of
-from lmcache_tiered.bench import harness
+from lmcache_tiered import testing
 extra = {{
     "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
     "storage_plugin.tiered.class_name": "TieredBackend",
@@ -199,20 +198,20 @@ extra = {{
     "tiered.cold.adapter": {adapter!r}, "tiered.cold.write": "through",
     "tiered.host_id": {host!r},
 }}
-cfg = harness.build_config(extra_config=extra, storage_plugins=["tiered"])
-engine, connector = harness.build_engine(cfg)
-tokens = harness.make_tokens(3 * 256, seed=7)
-kv = harness.make_kv(connector, 3 * 256, seed=8)
+cfg = testing.build_config(extra_config=extra, storage_plugins=["tiered"])
+engine, connector = testing.build_engine(cfg)
+tokens = testing.make_tokens(3 * 256, seed=7)
+kv = testing.make_kv(connector, 3 * 256, seed=8)
 if {role!r} == "writer":
-    harness.store_tokens(engine, tokens, kv)
+    testing.store_tokens(engine, tokens, kv)
     cache_of(engine).flush()
     print("stored")
 else:
-    hits = harness.lookup(engine, tokens)
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    hits = testing.lookup(engine, tokens)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     cold = cache_of(engine).tiers["cold"].stats
     print("hits", hits, int(mask.sum()), torch.equal(out, kv), cold.hits)
-harness.destroy_all_engines()
+testing.destroy_all_engines()
 """
 
 
@@ -254,27 +253,27 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     first, first_kv = store_chunks(engine, connector, 2, seed=1)
     store_chunks(engine, connector, 2, seed=11)
     cold = cache.tiers["cold"]
-    assert [cache.tier_of(k) for k in harness.chunk_keys(engine, first)] == [
+    assert [cache.tier_of(k) for k in testing.chunk_keys(engine, first)] == [
         "cold",
         "cold",
     ]
     redis.stop()
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
     started = time.monotonic()
-    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     # never a hang, never wrong bytes: the cold chunks are misses
     assert time.monotonic() - started < 2 * adapter_tier.TIMEOUT_S + 5
     assert int(mask.sum()) == 0
     wait_until(lambda: cold.degraded is not None, timeout=15)
-    assert harness.lookup(engine, first) == 0
+    assert testing.lookup(engine, first) == 0
     redis.start()  # back, empty
     wait_until(lambda: cold.degraded is None, timeout=20)
     third, third_kv = store_chunks(engine, connector, 2, seed=21)
     store_chunks(engine, connector, 2, seed=31)  # demotes the third pair to Redis
-    keys = harness.chunk_keys(engine, third)
+    keys = testing.chunk_keys(engine, third)
     assert [cache.tier_of(k) for k in keys] == ["cold", "cold"]
-    harness.clear_cpu_tier(engine)
-    out, mask = harness.retrieve_tokens(engine, third, connector=connector)
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, third, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)
     assert cold.stats.degradations >= 1
 
@@ -354,15 +353,15 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
     assert redis.proc is not None
     redis.proc.send_signal(signal.SIGSTOP)
     try:
-        harness.clear_cpu_tier(engine)
+        testing.clear_cpu_tier(engine)
         started = time.monotonic()
-        out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+        out, mask = testing.retrieve_tokens(engine, first, connector=connector)
         assert time.monotonic() - started < 2 * adapter_tier.TIMEOUT_S + 5
         assert int(mask.sum()) == 0
         assert cold.degraded is not None
     finally:
         redis.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: cold.degraded is None, timeout=20)
-    assert harness.lookup(engine, first) == 2 * CHUNK  # rediscovered
-    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    assert testing.lookup(engine, first) == 2 * CHUNK  # rediscovered
+    out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)

@@ -22,8 +22,8 @@ from conftest import (
 )
 from prometheus_client import generate_latest
 
+from lmcache_tiered import testing
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import harness
 from lmcache_tiered.metrics import collector
 from lmcache_tiered.warmup.base import Plan
 from lmcache_tiered.warmup.promoter import GUARD_MIN, GUARD_PROBE_EVERY, UNIT_KEYS
@@ -73,8 +73,8 @@ def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
     )
     first, first_kv = store_chunks(engine, connector, 2, seed=1)
     second, _ = store_chunks(engine, connector, 2, seed=11)
-    first_keys = harness.chunk_keys(engine, first)
-    second_keys = harness.chunk_keys(engine, second)
+    first_keys = testing.chunk_keys(engine, first)
+    second_keys = testing.chunk_keys(engine, second)
     # warm holds two chunks: the second request's demoted the first's to cold
     assert [cache.tier_of(k) for k in first_keys + second_keys] == [
         "cold",
@@ -83,8 +83,8 @@ def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
         "warm",
     ]
     assert cache.warm.stats.evictions == 2
-    harness.clear_cpu_tier(engine)
-    out, mask = harness.retrieve_tokens(engine, first, connector=connector)
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
     assert cache.tiers["cold"].stats.hits == 2
     cache.flush()  # the cold hits were queued for a copy to warm
@@ -93,7 +93,7 @@ def test_warm_evictions_demote_to_cold_and_cold_hits_return_to_warm(
     assert [cache.tier_of(k) for k in second_keys] == ["cold", "cold"]
     # a request bigger than warm: what warm cannot take goes straight to cold
     third, _ = store_chunks(engine, connector, 3, seed=21)
-    assert all(cache.tier_of(k) for k in harness.chunk_keys(engine, third))
+    assert all(cache.tier_of(k) for k in testing.chunk_keys(engine, third))
 
 
 def test_write_through_puts_every_chunk_in_both(
@@ -105,7 +105,7 @@ def test_write_through_puts_every_chunk_in_both(
         **{"cold.paths": str(cold_dir), "cold.write": "through"},
     )
     tokens, _ = store_chunks(engine, connector, 3, seed=2)
-    for key in harness.chunk_keys(engine, tokens):
+    for key in testing.chunk_keys(engine, tokens):
         assert cache.tiers["warm"].header(key) is not None
         assert cache.tiers["cold"].header(key) is not None
 
@@ -120,7 +120,7 @@ def test_prefix_eviction_drops_tails_before_heads(
     )
     old, _ = store_chunks(engine, connector, 3, seed=3)
     store_chunks(engine, connector, 1, seed=4)
-    present = [cache.tier_of(k) for k in harness.chunk_keys(engine, old)]
+    present = [cache.tier_of(k) for k in testing.chunk_keys(engine, old)]
     assert present == ["warm", "warm", None]
 
 
@@ -133,9 +133,9 @@ def test_lookahead_promotes_the_found_prefix_to_hot(
         **{"warmup.policy": "lookahead", "warmup.lookahead.promote_found": True},
     )
     tokens, kv = store_chunks(engine, connector, 4, seed=5)
-    harness.clear_cpu_tier(engine)
-    keys = harness.chunk_keys(engine, tokens)
-    assert harness.lookup(engine, tokens) == 4 * CHUNK
+    testing.clear_cpu_tier(engine)
+    keys = testing.chunk_keys(engine, tokens)
+    assert testing.lookup(engine, tokens) == 4 * CHUNK
     # The promoter counts bytes after the put made them visible: wait on both.
     wait_until(
         lambda: (
@@ -145,11 +145,11 @@ def test_lookahead_promotes_the_found_prefix_to_hot(
     )
     assert cache.promoter.stats.bytes_promoted_hot == 4 * CHUNK_BYTES
     reads = cache.warm.stats.hits
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
     assert cache.warm.stats.hits == reads  # served from hot: no disk read
     # a second lookup pins the promoted chunks in hot: counted as used
-    harness.lookup(engine, tokens, pin=True, lookup_id="again")
+    testing.lookup(engine, tokens, pin=True, lookup_id="again")
     engine.lookup_unpin("again")
     assert cache.promoter.stats.timely == 4
     assert cache.promoter.stats.precision == 1.0
@@ -162,11 +162,11 @@ def test_chunks_in_hot_past_the_lookups_hot_prefix_are_not_read_from_disk(
     # chunk its CPU tier lacks: chunks 1-3 below are still in memory
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     tokens, kv = store_chunks(engine, connector, 4, seed=21)
-    keys = harness.chunk_keys(engine, tokens)
-    hot = harness.get_local_cpu_backend(engine)
+    keys = testing.chunk_keys(engine, tokens)
+    hot = testing.get_local_cpu_backend(engine)
     assert hot is not None and hot.remove(keys[0])
     reads = cache.warm.stats.hits
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
     assert cache.warm.stats.hits == reads + 1  # chunk 0 only
     assert cache.snapshot()["reads_from_hot"] == 3
@@ -177,12 +177,12 @@ def test_a_promotion_past_the_lookups_hot_prefix_counts_as_used(
 ) -> None:
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     tokens, kv = store_chunks(engine, connector, 3, seed=23)
-    harness.clear_cpu_tier(engine)
-    keys = harness.chunk_keys(engine, tokens)
+    testing.clear_cpu_tier(engine)
+    keys = testing.chunk_keys(engine, tokens)
     # promote chunks 1 and 2 only: the lookup's hot prefix is empty
     cache.promoter.submit([Plan(tuple(keys[1:]), "hot", cache.now() + 60)])
     wait_until(lambda: all(cache.where(k) == "hot" for k in keys[1:]))
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 3 * CHUNK and torch.equal(out, kv)
     stats = cache.promoter.stats
     assert stats.timely == 2 and stats.precision == 1.0
@@ -196,7 +196,7 @@ def test_lookahead_plans_nothing_for_unseen_random_lookups(
     )
     store_chunks(engine, connector, 2, seed=6)
     for seed in range(10, 20):
-        assert harness.lookup(engine, harness.make_tokens(2 * CHUNK, seed=seed)) == 0
+        assert testing.lookup(engine, testing.make_tokens(2 * CHUNK, seed=seed)) == 0
     time.sleep(0.2)
     stats = cache.promoter.stats
     assert stats.plans == 0 and stats.bytes_promoted_hot == 0
@@ -212,12 +212,12 @@ def test_hint_over_loopback_promotes_before_lookup(
         device_dirs,
         **{"warmup.policy": "hinted", "warmup.hint_port": 0},
     )
-    backend = harness.get_backends(engine)["tiered"]
+    backend = testing.get_backends(engine)["tiered"]
     assert isinstance(backend, TieredBackend) and backend.hint_server is not None
     tokens, _ = store_chunks(engine, connector, 3, seed=7)
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
     assert send_hint(backend.hint_server.url, tokens.tolist(), deadline_s=5.0)
-    keys = harness.chunk_keys(engine, tokens)
+    keys = testing.chunk_keys(engine, tokens)
     wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
 
 
@@ -230,8 +230,8 @@ def test_promotions_stay_pinned_in_hot_until_used(
         engine_factory, device_dirs, cpu_gb=8 * CHUNK_BYTES / 2**30
     )
     tokens, kv = store_chunks(engine, connector, 2, seed=30)
-    keys = harness.chunk_keys(engine, tokens)
-    harness.clear_cpu_tier(engine)
+    keys = testing.chunk_keys(engine, tokens)
+    testing.clear_cpu_tier(engine)
     cache.promoter.submit([Plan(tuple(keys), "hot", cache.now() + 60)])
     wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
     for seed in range(31, 37):  # 12 chunks through an 8-chunk CPU tier
@@ -239,14 +239,14 @@ def test_promotions_stay_pinned_in_hot_until_used(
     assert all(cache.where(k) == "hot" for k in keys)
     reads = cache.warm.stats.hits
     # as vLLM: the scheduler's lookup pins, the worker retrieves, then unpins
-    assert harness.lookup(engine, tokens, pin=True, lookup_id="req") == 2 * CHUNK
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    assert testing.lookup(engine, tokens, pin=True, lookup_id="req") == 2 * CHUNK
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     engine.lookup_unpin("req")
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, kv)
     assert cache.warm.stats.hits == reads
     assert cache.promoter.stats.timely == 2
     # used: the promoter's pins are gone, LMCache may evict them again
-    hot = harness.get_local_cpu_backend(engine)
+    hot = testing.get_local_cpu_backend(engine)
     assert hot is not None
     assert not any(hot.hot_cache[k].is_pinned for k in keys)
 
@@ -257,9 +257,9 @@ def test_hot_budget_goes_to_the_earliest_deadline_and_the_rest_waits(
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     soon, _ = store_chunks(engine, connector, 2, seed=40)
     later, _ = store_chunks(engine, connector, 2, seed=41)
-    soon_keys = harness.chunk_keys(engine, soon)
-    later_keys = harness.chunk_keys(engine, later)
-    harness.clear_cpu_tier(engine)
+    soon_keys = testing.chunk_keys(engine, soon)
+    later_keys = testing.chunk_keys(engine, later)
+    testing.clear_cpu_tier(engine)
     cache.promoter.hot_budget = 2 * CHUNK_BYTES
     now = cache.now()
     cache.promoter.submit([Plan(tuple(later_keys), "hot", now + 60)])
@@ -269,7 +269,7 @@ def test_hot_budget_goes_to_the_earliest_deadline_and_the_rest_waits(
     wait_until(lambda: all(cache.where(k) == "hot" for k in soon_keys))
     assert [cache.where(k) for k in later_keys] == ["warm", "warm"]
     # ... which wait in the queue, and come back once the budget frees
-    harness.lookup(engine, soon, pin=True, lookup_id="soon")
+    testing.lookup(engine, soon, pin=True, lookup_id="soon")
     engine.lookup_unpin("soon")
     wait_until(lambda: all(cache.where(k) == "hot" for k in later_keys))
     assert cache.promoter.stats.timely == 2
@@ -286,7 +286,7 @@ def test_demand_reads_go_before_a_flood_of_warmup(
         **{"cold.paths": str(cold_dir), "warmup.bandwidth_mbps": 5},
     )
     tokens, kv = store_chunks(engine, connector, 12, seed=8)
-    keys = harness.chunk_keys(engine, tokens)
+    keys = testing.chunk_keys(engine, tokens)
     log: list[tuple[str, str]] = []
     execute = cache.promoter._execute
 
@@ -306,7 +306,7 @@ def test_demand_reads_go_before_a_flood_of_warmup(
 
     cache.warm.read = logged_read  # type: ignore[method-assign]
     # a flood: every key, to hot, at 5 MB/s so it takes a while
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
     cache.promoter.submit([Plan(tuple(keys), "hot", time.monotonic() + 60)])
     wait_until(lambda: ("warmup-start", "hot") in log)
     with cache.promoter.demand(keys):
@@ -327,7 +327,7 @@ def test_unknown_policy_is_a_clear_error(
     extra = plugin_extra_config(device_dirs, **{"warmup.policy": "psychic"})
     with caplog.at_level(logging.ERROR, logger="lmcache_tiered"):
         engine, _ = engine_factory(extra)
-    assert "tiered" not in harness.get_backends(engine)
+    assert "tiered" not in testing.get_backends(engine)
     assert "tiered.warmup.policy" in caplog.text and "lookahead" in caplog.text
 
 
@@ -336,8 +336,8 @@ def test_metrics_snapshot_and_prometheus(
 ) -> None:
     engine, connector, cache = tiered_engine(engine_factory, device_dirs)
     tokens, _ = store_chunks(engine, connector, 2, seed=9)
-    harness.clear_cpu_tier(engine)
-    harness.retrieve_tokens(engine, tokens, connector=connector)
+    testing.clear_cpu_tier(engine)
+    testing.retrieve_tokens(engine, tokens, connector=connector)
     snap = cache.snapshot()
     assert snap["tiers"]["warm"]["hits"] == 2
     assert snap["tiers"]["warm"]["bytes_written"] == 2 * CHUNK_BYTES
@@ -376,23 +376,23 @@ def test_two_hosts_sharing_a_cold_tier_see_each_others_chunks(
         engines.append(tiered_engine(engine_factory, [warm], host_id=host, **settings))
     (engine_a, connector_a, _), (engine_b, connector_b, cache_b) = engines
     tokens, kv = store_chunks(engine_a, connector_a, 3, seed=31)
-    assert harness.lookup(engine_b, tokens) == 0  # not seen yet
+    assert testing.lookup(engine_b, tokens) == 0  # not seen yet
     cache_b.shared.refresh()  # what its background thread does every 2 s
-    assert harness.lookup(engine_b, tokens) == 3 * CHUNK
-    out, mask = harness.retrieve_tokens(engine_b, tokens, connector=connector_b)
+    assert testing.lookup(engine_b, tokens) == 3 * CHUNK
+    out, mask = testing.retrieve_tokens(engine_b, tokens, connector=connector_b)
     assert int(mask.sum()) == 3 * CHUNK and torch.equal(out, kv)
     # A rewrites a chunk's bytes behind B's back: B's next read is a miss
     (foreign,) = cache_b.shared.tiers()
-    key = harness.chunk_keys(engine_b, tokens)[0]
+    key = testing.chunk_keys(engine_b, tokens)[0]
     path, offset = payload_offset(foreign, key)
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(b"\xff" * 16)
     cache_b.flush()  # B's copies of the chunks it read go to its warm tier
-    harness.clear_cpu_tier(engine_b)
+    testing.clear_cpu_tier(engine_b)
     for tier in cache_b.tiers.values():
         tier.remove(key)  # so the chunk can only come from A's files
-    _, mask = harness.retrieve_tokens(engine_b, tokens, connector=connector_b)
+    _, mask = testing.retrieve_tokens(engine_b, tokens, connector=connector_b)
     assert int(mask.sum()) == 0
     assert foreign.stats.corrupt == 1
 
@@ -425,7 +425,7 @@ def test_shared_cold_rereads_only_header_files_that_changed(
     store_chunks(engine_a, connector_a, 1, seed=62)  # A writes again
     shared.refresh()
     assert len(rereads) == 2
-    assert harness.lookup(engine_b, first) == CHUNK
+    assert testing.lookup(engine_b, first) == CHUNK
 
 
 def test_a_read_spanning_warm_and_cold_reads_both_at_once(
@@ -435,7 +435,7 @@ def test_a_read_spanning_warm_and_cold_reads_both_at_once(
         engine_factory, device_dirs, cold_dir
     )
     tokens, kv = store_chunks(engine, connector, 4, seed=5)
-    where = [cache.tier_of(k) for k in harness.chunk_keys(engine, tokens)]
+    where = [cache.tier_of(k) for k in testing.chunk_keys(engine, tokens)]
     assert sorted(where) == ["cold", "cold", "warm", "warm"]
     # each tier's read waits for the other's to start: read one after the
     # other, the first would wait in vain and break the barrier
@@ -449,8 +449,8 @@ def test_a_read_spanning_warm_and_cold_reads_both_at_once(
             return _read(*args)
 
         setattr(tier, "read", read)  # noqa: B010
-    harness.clear_cpu_tier(engine)
-    out, mask = harness.retrieve_tokens(engine, tokens, connector=connector)
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
     assert set(readers) == {"warm", "cold"}
     assert readers["warm"] != readers["cold"]
@@ -471,7 +471,7 @@ def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
         store_chunks(engine, connector, UNIT_KEYS, seed=100 + i)[0]
         for i in range(rounds)
     ]
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
 
     def settled() -> int:
         promoted = stats.bytes_promoted_hot // CHUNK_BYTES
@@ -480,7 +480,7 @@ def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
     def promote_unused(tokens: Any) -> None:
         """Plan a request's chunks for hot; nothing looks them up."""
         before = settled()
-        keys = tuple(harness.chunk_keys(engine, tokens))
+        keys = tuple(testing.chunk_keys(engine, tokens))
         cache.promoter.submit([Plan(keys, "hot", cache.now() + 0.3)])
         wait_until(lambda: settled() >= before + UNIT_KEYS)
 
@@ -489,7 +489,7 @@ def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
         # unpinned at the deadline, then dropped by LMCache unused
         target = stats.wasted + UNIT_KEYS
         wait_until(
-            lambda t=target: harness.clear_cpu_tier(engine) == 0 and stats.wasted >= t
+            lambda t=target: testing.clear_cpu_tier(engine) == 0 and stats.wasted >= t
         )
     assert stats.held_back == 0  # it takes GUARD_MIN misses to judge
     promoted = stats.bytes_promoted_hot

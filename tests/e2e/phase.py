@@ -104,7 +104,7 @@ def _backend() -> Any:
     from lmcache.integration.vllm.utils import ENGINE_NAME
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-    from lmcache_tiered.bench.harness import get_backends
+    from lmcache_tiered.testing import get_backends
 
     return get_backends(LMCacheEngineBuilder.get(ENGINE_NAME))["tiered"]
 

@@ -1,0 +1,420 @@
+"""The ``lmcache-tiered bench`` command line: its options and presets, the
+interleaved rounds of variants, and what is printed and written (table,
+summary and targets lines, JSON, picture). What the bench models is its help
+text, :data:`DESCRIPTION`.
+
+May touch: stdout and stderr, the ``--json`` and ``--plot`` files; the run
+itself goes through :mod:`lmcache_tiered.bench.variants`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from lmcache_tiered.bench import presets, report, trace, variants
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.link import LinkModel
+from lmcache_tiered.bench.profiles import DEFAULT_PROFILE, PROFILES
+from lmcache_tiered.bench.report import RunResult
+from lmcache_tiered.bench.scenario import (
+    Workload,
+    check_space,
+    compared,
+    config_json,
+    describe,
+    load_requests,
+    make_setup,
+    split_list,
+)
+from lmcache_tiered.bench.variants import (
+    LOCAL_DISK,
+    TWIN_MARK,
+    VariantUnavailable,
+    number_twins,
+    policy_of,
+)
+from lmcache_tiered.warmup import installed_policies
+
+#: The command's help text: what the bench runs and models.
+DESCRIPTION = """\
+``lmcache-tiered bench``: replay a workload through real LMCache and real I/O.
+
+Only the GPU is modelled. The serving model is one vLLM instance with
+LMCache's synchronous loading, its default:
+
+- a frontend thread releases each request at its arrival time, sends the
+  arrival hint the way the deployed wiring does (prompt token ids POSTed to
+  the backend's loopback endpoint by a forwarder thread), then queues it;
+- the engine loop has ``--concurrency`` slots (vLLM's ``max_num_seqs``). With
+  slots free it takes requests from the queue, runs LMCache's lookup for each
+  (pinning the hits, as the scheduler does), then retrieves the hits (as the
+  worker does at the start of the step, blocking it);
+- each step computes up to ``--token-budget`` prompt tokens (chunked prefill)
+  and one token for every decoding request, for the profile's modelled time,
+  slept, so background I/O (writes, demotion, warm-up) overlaps it as on a
+  GPU server; a request's new KV is stored when its prefill completes;
+- follow-up turns of a session arrive a think time after the previous turn
+  finished.
+
+The loop keeps a GPU clock that modelled compute and the measured time of
+real LMCache calls advance; it sleeps until the wall clock catches up, so a
+late wake-up (another thread holding the GIL) delays no later step.
+
+Every variant (each ``--policies`` entry, then LMCache's stock
+``LocalDiskBackend`` as the no-plugin baseline) gets a fresh engine and fresh
+directories under ``--warm``/``--cold``. All run in this one process, so
+LMCache's token hashing (PYTHONHASHSEED) is the same for all of them. KV
+bytes and the clock are scaled down together (``--kv-scale``, see
+:mod:`lmcache_tiered.bench.profiles`); reported times are production seconds.
+"""
+#: Production seconds the replay may fall behind its GPU clock unremarked.
+LAG_NOTE_S = 1.0
+#: The deployment the plugin is built for: local NVMe (warm) in front of a
+#: remote cold tier (NVMe-oF, a shared file system), here 2 GB/s + 1 ms.
+DEFAULT_COLD_LINK = "2,1"
+#: Where the picture goes unless --plot says otherwise.
+DEFAULT_PLOT = "lmcache-tiered-bench.png"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``bench``."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="replay a workload through LMCache with each warm-up policy",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        choices=list(presets.PRESETS),
+        help="a named operating point; an option given on the command line at "
+        "another value than its default wins ("
+        + "; ".join(f"{n}: {p.description}" for n, p in presets.PRESETS.items())
+        + ")",
+    )
+    load = parser.add_argument_group("workload")
+    load.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="Mooncake JSON-lines trace (default: the built-in generator)",
+    )
+    load.add_argument(
+        "--workload",
+        choices=list(trace.WORKLOADS),
+        default="multi-turn",
+        help="built-in workload when no --trace is given (default: multi-turn)",
+    )
+    load.add_argument(
+        "--limit", type=int, metavar="N", help="replay only the first N requests"
+    )
+    load.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply arrival and think times; < 1 is more load (default: 1)",
+    )
+    load.add_argument(
+        "--seed", type=int, default=0, help="generator and token seed (default: 0)"
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--profile",
+        choices=list(PROFILES),
+        default=DEFAULT_PROFILE,
+        help=f"model and GPUs whose compute is modelled (default: {DEFAULT_PROFILE})",
+    )
+    model.add_argument(
+        "--kv-scale",
+        type=float,
+        metavar="F",
+        help="divide KV bytes and the modelled clock by F (default: the profile's)",
+    )
+    model.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="request slots, vLLM's max_num_seqs (default: 8)",
+    )
+    model.add_argument(
+        "--token-budget",
+        type=int,
+        default=8192,
+        metavar="N",
+        help="prompt tokens per step, vLLM's max_num_batched_tokens (default: 8192)",
+    )
+    tiers = parser.add_argument_group("tiers")
+    tiers.add_argument(
+        "--policies",
+        metavar="LIST",
+        help="warm-up policies to compare, comma-separated (default: every "
+        "installed one, none first); a name given twice runs twice, as "
+        "NAME#2: 'none,none' measures the run-to-run noise",
+    )
+    tiers.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help=f"skip the baselines: LMCache's stock LocalDiskBackend ({LOCAL_DISK}) "
+        f"and vLLM's GPU prefix cache alone ({NO_EXTERNAL_CACHE})",
+    )
+    tiers.add_argument(
+        "--gpu-kv-gb",
+        type=float,
+        metavar="GB",
+        help="HBM per rank for vLLM's KV cache, its GPU prefix cache in front "
+        "of every variant, in production GB; 0: none (default: the profile's "
+        "budget, 0.9 x GPU memory - weights - activations)",
+    )
+    tiers.add_argument(
+        "--hot-gb",
+        type=float,
+        metavar="GB",
+        help="LMCache CPU tier size, 0 for none (default: a quarter of the "
+        "workload's distinct KV)",
+    )
+    tiers.add_argument(
+        "--warm-gb",
+        type=float,
+        metavar="GB",
+        help="warm tier cap (default: half of the distinct KV)",
+    )
+    tiers.add_argument(
+        "--cold-gb",
+        type=float,
+        metavar="GB",
+        help="cold tier cap (default: twice the distinct KV)",
+    )
+    tiers.add_argument(
+        "--warm",
+        metavar="DIRS",
+        help="warm tier directories, one per device, comma-separated (default: "
+        "the temp directory, or the current one if that is in memory)",
+    )
+    tiers.add_argument(
+        "--baseline-disk",
+        metavar="DIRS",
+        help="directories of the stock LocalDiskBackend baseline (default: as "
+        "--warm); e.g. one drive of --warm's, to compare LMCache's disk tier on "
+        "one NVMe with the plugin striping over all of them",
+    )
+    tiers.add_argument(
+        "--cold",
+        metavar="DIRS",
+        help="cold tier directories, or 'none' (default: as for --warm)",
+    )
+    tiers.add_argument(
+        "--cold-link",
+        type=_link_arg,
+        default=DEFAULT_COLD_LINK,
+        metavar="GBPS[,MS]|none",
+        help="the cold tier is remote: a link of this bandwidth and latency "
+        "(production units) is paid after each real read and write of it "
+        f"(default: {DEFAULT_COLD_LINK}, i.e. 2 GB/s + 1 ms); 'none': warm and "
+        "cold on one local disk, the stock baseline then gets both capacities",
+    )
+    tiers.add_argument(
+        "--warm-link",
+        type=_link_arg,
+        default="none",
+        metavar="GBPS[,MS]|none",
+        help="model the warm tier's device as a link of this bandwidth and "
+        "latency too (production units; default: none, this disk as it is)",
+    )
+    tiers.add_argument(
+        "--io-engine",
+        choices=["auto", "uring", "threads"],
+        default="auto",
+        help="the plugin's I/O engine (default: auto)",
+    )
+    model.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the variants N times, interleaved, and report medians (default: 1)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    out.add_argument(
+        "--plot",
+        metavar="FILE|none",
+        default=DEFAULT_PLOT,
+        help="write TTFT CDFs, TTFT p50 and throughput bars as a PNG "
+        f"(default: {DEFAULT_PLOT} in the current directory; 'none': no picture)",
+    )
+    parser.set_defaults(
+        func=main,
+        preset_defaults={
+            dest: PRESET_PARSE.get(dest, _same)(parser.get_default(dest))
+            for preset in presets.PRESETS.values()
+            for dest in preset.settings
+        },
+    )
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def default_policies() -> list[str]:
+    """Every installed warm-up policy, ``none`` (the reference) first."""
+    return sorted(installed_policies(), key=lambda name: (name != "none", name))
+
+
+def _link_arg(text: str) -> LinkModel | None:
+    if text == "none":
+        return None
+    try:
+        return LinkModel.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+#: How a preset's text settings become values, as their options' types do.
+PRESET_PARSE: dict[str, Callable[[Any], Any]] = {
+    "cold_link": _link_arg,
+    "warm_link": _link_arg,
+}
+
+
+def check_plot_path(path: str) -> None:
+    """Fail before the run, not after it, where the picture cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"--plot {path}: cannot write there ({folder} is not a writable "
+            "directory); give another FILE, or --plot none for no picture"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run every variant on the same workload; print, and write JSON/PNG."""
+    presets.apply(args.preset, args, args.preset_defaults, PRESET_PARSE)
+    policies = split_list(args.policies) if args.policies else default_policies()
+    plot = None if args.plot == "none" else args.plot
+    try:
+        if plot is not None:
+            check_plot_path(plot)
+        for option in ("repeat", "concurrency", "token_budget"):
+            if getattr(args, option) < 1:
+                raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
+        requests = load_requests(args)
+        if not requests:
+            raise ValueError("the workload has no requests")
+        setup = make_setup(args, requests)
+        check_space(setup, requests)
+    except (OSError, ValueError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    source = args.trace or (
+        f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"
+    )
+    print(describe(setup, requests, source), flush=True)
+    baselines = [] if args.no_baseline else [NO_EXTERNAL_CACHE, LOCAL_DISK]
+    names = number_twins(
+        policies + [name for name in baselines if name not in policies]
+    )
+    runs: dict[str, list[RunResult]] = {}
+    unavailable: dict[str, str] = {}
+    workload = Workload.build(requests, setup.shape, args.seed)
+    total = len(names) * args.repeat
+    # interleaved, each round starting one variant later (A B C, B C A, ...):
+    # drift of the disk or of other load on the machine then touches every
+    # variant alike, and no variant always runs first
+    rounds = (
+        (r, names[(r + i) % len(names)])
+        for r in range(args.repeat)
+        for i in range(len(names))
+    )
+    for number, (repeat, name) in enumerate(rounds, 1):
+        if name in unavailable:
+            continue
+        label = f"[{number}/{total}] {name}"
+        if args.repeat > 1:
+            label += f" ({repeat + 1}/{args.repeat})"
+        try:
+            result = variants.run_variant(name, setup, workload, label)
+        except VariantUnavailable as exc:
+            unavailable[name] = str(exc)
+            print(f"{label}: skipped: {exc}", file=sys.stderr)
+            continue
+        runs.setdefault(name, []).append(result)
+    summaries = {
+        name: report.combine([report.summarize(r, setup.clock) for r in results])
+        for name, results in runs.items()
+    }
+    print()
+    print(report.table(summaries))
+    line = report.summary_line(
+        # a twin (none#2) is the noise, the GPU-only baseline no tiered variant
+        {
+            n: s
+            for n, s in summaries.items()
+            if TWIN_MARK not in n and policy_of(n) != NO_EXTERNAL_CACHE
+        },
+        compared(setup, LOCAL_DISK in summaries),
+        LOCAL_DISK,
+    )
+    if line is not None:
+        print(line)
+    if args.repeat > 1:
+        print(f"(medians of {args.repeat} interleaved runs per variant)")
+        changes = report.paired_changes(summaries)
+        if changes:
+            print()
+            print(report.spread_table(changes))
+            for name, change in changes.items():
+                summaries[name]["paired_change_vs_none"] = change
+            twins = [name for name in changes if policy_of(name) == "none"]
+            if twins:
+                print(
+                    f"({', '.join(twins)}: none again, so its change is this "
+                    "machine's run-to-run noise; a change within it is not resolved)"
+                )
+    else:
+        print(
+            "(one run per variant: single runs of one variant can differ by tens "
+            "of percent; --repeat 6 with none named twice shows by how much)"
+        )
+    targets = presets.targets_line(
+        summaries,
+        report.paired_changes(summaries),
+        setup.concurrency,
+        [n for n in policies if n not in (NO_EXTERNAL_CACHE, LOCAL_DISK)],
+    )
+    if targets is not None:
+        print(targets)
+    for name, summary in summaries.items():
+        if summary["lag_max_s"] > LAG_NOTE_S:
+            print(
+                f"{name}: the replay fell up to {summary['lag_max_s']:.1f}s behind "
+                "the modelled GPU (real work slower than modelled: a busy or slow "
+                "machine), so background I/O had extra time; rerun on an idle one"
+            )
+    for name, reason in unavailable.items():
+        print(f"{name}: not run ({reason})")
+    if args.json:
+        report.write_json(
+            args.json,
+            {
+                "config": config_json(setup, requests, source, args),
+                "policies": summaries,
+                "unavailable": unavailable,
+            },
+        )
+    if plot is not None and runs:
+        report.plot(
+            plot,
+            runs,
+            summaries,
+            setup.clock,
+            compared(setup, LOCAL_DISK in summaries),
+            LOCAL_DISK,
+        )
+        print(f"picture: {os.path.abspath(plot)}")
+    return 1 if unavailable else 0

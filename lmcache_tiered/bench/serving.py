@@ -1,0 +1,433 @@
+"""The serving model of one variant: a modelled vLLM instance driving a real
+LMCache engine (the frontend thread, the engine loop with its slots, chunked
+prefill and decode steps on a GPU clock), as the bench's help describes it
+(:data:`lmcache_tiered.bench.command.DESCRIPTION`).
+
+May touch: the engine through LMCache's calls (lookup with pins, retrieve,
+store, unpin), its GPU connector's copies (timed), the backend's hint
+endpoint and ``cache.where``; no tier's files, no configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import math
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcache_tiered._lmcache import LMCacheEngine
+from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.bench import report
+from lmcache_tiered.bench.baseline import GpuPrefixCache
+from lmcache_tiered.bench.report import RequestRecord
+from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.vllm_plugin import HintForwarder
+
+#: Where LMCache's lookup reports each backend's hits (StorageManager names).
+_TIER_OF_LOCATION = {"LocalCPUBackend": "hot", "LocalDiskBackend": "warm"}
+
+
+def hint_forwarder(backend: TieredBackend | None) -> HintForwarder | None:
+    """The production hint path into ``backend``, or None where it has none.
+
+    As deployed (:mod:`lmcache_tiered.vllm_plugin`): a forwarder thread POSTs
+    each arrival's prompt to the backend's loopback endpoint.
+    """
+    if backend is None or backend.hint_server is None:
+        return None
+    return HintForwarder(backend.hint_server.url)
+
+
+def send_arrival_hint(hints: HintForwarder | None, tokens: torch.Tensor) -> None:
+    """Tell the backend a request arrived, as vLLM's API server would."""
+    if hints is not None:
+        hints.submit(tokens.tolist())
+
+
+class GpuCopies:
+    """Times the CPU connector's copies (the stand-in for GPU uploads and
+    downloads) and what the profile's PCIe link would take for them, so the
+    GPU clock charges the link, not this machine's memcpy."""
+
+    def __init__(self, engine: LMCacheEngine, setup: Setup) -> None:
+        self.bytes_per_token = setup.shape.bytes_per_token
+        self.pcie_bytes_per_s = setup.profile.pcie_bytes_per_s
+        self.measured_s = 0.0
+        self.modelled_s = 0.0
+        connector = engine.gpu_connector
+        for name in ("batched_to_gpu", "batched_from_gpu"):
+            setattr(connector, name, self._timed(getattr(connector, name)))
+
+    def _timed(self, copy: Callable[..., None]) -> Callable[..., None]:
+        def timed_copy(
+            memory_objs: Any, starts: list[int], ends: list[int], **kwargs: Any
+        ) -> None:
+            began = time.perf_counter()
+            copy(memory_objs, starts, ends, **kwargs)
+            self.measured_s += time.perf_counter() - began
+            nbytes = (sum(ends) - sum(starts)) * self.bytes_per_token
+            self.modelled_s += nbytes / self.pcie_bytes_per_s
+
+        return timed_copy
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request in the server (times: GPU clock, wall seconds since start)."""
+
+    index: int
+    arrival: float
+    scheduled: float = 0.0
+    loaded: float = 0.0
+    #: tier of each chunk the lookup found, in prefix order
+    hits: list[str] = field(default_factory=list)
+    #: prompt tokens vLLM's GPU prefix cache held
+    gpu_cached: int = 0
+    #: prompt tokens LMCache loaded (past the GPU's share, chunk-aligned)
+    loaded_tokens: int = 0
+    cached: int = 0
+    #: prompt tokens computed so far (cached ones included)
+    computed: int = 0
+    output_left: int = 0
+    first_token: float = 0.0
+
+
+class Replay:
+    """The serving model of one variant (see the module docstring).
+
+    The engine loop keeps a GPU clock (``self.gpu``, wall seconds since the
+    start): modelled compute and the measured time of real LMCache calls
+    (their GPU copies charged at the profile's PCIe rate, see
+    :class:`GpuCopies`) advance it, and the loop sleeps until the wall clock
+    reaches it. A late wake-up (another thread holding the GIL) thus delays
+    no later step: the loop catches up, as a GPU that never waited would.
+    """
+
+    def __init__(
+        self,
+        setup: Setup,
+        workload: Workload,
+        engine: LMCacheEngine | None,
+        backend: TieredBackend | None,
+        name: str,
+        progress: report.Progress,
+    ) -> None:
+        self.setup = setup
+        self.workload = workload
+        self.engine = engine
+        self.backend = backend
+        self.name = name
+        self.progress = progress
+        self.requests = workload.requests
+        self.records: list[RequestRecord | None] = [None] * len(self.requests)
+        self.followers: dict[int, list[int]] = {}
+        for index, request in enumerate(self.requests):
+            if request.after is not None:
+                self.followers.setdefault(request.after, []).append(index)
+        self.cond = threading.Condition()
+        #: (release time, index) of requests not yet arrived
+        self.pending: list[tuple[float, int]] = [
+            (r.arrival_s / setup.clock, i)
+            for i, r in enumerate(self.requests)
+            if r.after is None
+        ]
+        heapq.heapify(self.pending)
+        self.waiting: deque[_Live] = deque()
+        self.prefilling: list[_Live] = []
+        self.decoding: list[_Live] = []
+        self.finished = 0
+        self.failure: BaseException | None = None
+        self.hints = hint_forwarder(backend)
+        self.copies = None if engine is None else GpuCopies(engine, setup)
+        self.gpu_cache = GpuPrefixCache(setup.gpu_kv_tokens)
+        self.start = 0.0
+        self.gpu = 0.0
+        self.lag_max = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.start
+
+    def done(self) -> bool:
+        return self.finished >= len(self.requests)
+
+    def run(self) -> list[RequestRecord]:
+        self.start = time.monotonic()
+        frontend = threading.Thread(
+            target=self._frontend, name="bench-frontend", daemon=True
+        )
+        frontend.start()
+        try:
+            while not self.done():
+                self._admit()
+                if self.prefilling:
+                    self._mixed_step()
+                elif self.decoding:
+                    self._decode_steps()
+                else:
+                    self._wait_for_arrival()
+        finally:
+            with self.cond:
+                self.finished = len(self.requests)
+                self.cond.notify_all()
+            frontend.join()
+            if self.hints is not None:
+                self.hints.close()
+        if self.failure is not None:
+            raise RuntimeError("the bench frontend failed") from self.failure
+        return [r for r in self.records if r is not None]
+
+    @contextlib.contextmanager
+    def _real_work(self) -> Iterator[None]:
+        """Real LMCache calls block the GPU for as long as they take, their
+        GPU copies for as long as the modelled link takes."""
+        began = self.now()
+        copies = self.copies
+        measured = 0.0 if copies is None else copies.measured_s
+        modelled = 0.0 if copies is None else copies.modelled_s
+        try:
+            yield
+        finally:
+            elapsed = self.now() - began
+            if copies is not None:
+                elapsed += copies.modelled_s - modelled - (copies.measured_s - measured)
+            self.gpu += elapsed
+
+    # -------------------------------------------------------------- frontend
+
+    def _frontend(self) -> None:
+        """Release requests at their arrival times: hint, then queue."""
+        try:
+            while True:
+                with self.cond:
+                    while not self.pending and not self.done():
+                        self.cond.wait()
+                    if self.done():
+                        return
+                    release, index = self.pending[0]
+                    delay = release - self.now()
+                    if delay > 0:
+                        self.cond.wait(delay)
+                        continue
+                    heapq.heappop(self.pending)
+                send_arrival_hint(self.hints, self.workload.tokens[index])
+                with self.cond:
+                    self.waiting.append(_Live(index, arrival=release))
+                    self.cond.notify_all()
+        except BaseException as exc:  # surfaced by run()
+            self.failure = exc
+            with self.cond:
+                self.finished = len(self.requests)
+                self.cond.notify_all()
+
+    def _wait_for_arrival(self) -> None:
+        """Idle until a request arrives; the GPU clock jumps to then."""
+        with self.cond:
+            while not self.waiting and not self.done():
+                self.cond.wait()
+        self.gpu = max(self.gpu, self.now())
+
+    # ------------------------------------------------------------ scheduling
+
+    def _admit(self) -> None:
+        """Schedule waiting requests into free slots: lookups, then retrieves."""
+        free = self.setup.concurrency - len(self.prefilling) - len(self.decoding)
+        with self.cond:
+            count = min(free, len(self.waiting))
+            admitted = [self.waiting.popleft() for _ in range(count)]
+        if not admitted:
+            return
+        # the step cannot start before its requests arrived (the GPU clock
+        # may lag the wall clock a little)
+        self.gpu = max(self.gpu, *(live.arrival for live in admitted))
+        for live in admitted:
+            live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
+                self.requests[live.index]
+            )
+        with self._real_work():
+            for live in admitted:
+                live.scheduled = self.gpu
+                if self.engine is not None:
+                    live.hits = self._lookup(live)
+            for live in admitted:
+                if self.engine is not None:
+                    self._retrieve(live)
+        for live in admitted:
+            live.loaded = self.gpu
+        self.prefilling.extend(admitted)
+
+    def _lookup_id(self, live: _Live) -> str:
+        return f"{self.name}-{live.index}"
+
+    def _lookup(self, live: _Live) -> list[str]:
+        """LMCache lookup with pins; the tier of each hit chunk, prefix order."""
+        assert self.engine is not None
+        lookup_id = self._lookup_id(live)
+        self.engine.lookup(
+            self.workload.tokens[live.index], lookup_id=lookup_id, pin=True
+        )
+        tiers: list[str] = []
+        for location, keys in self.engine.lookup_pins.get(lookup_id, {}).items():
+            if location in _TIER_OF_LOCATION:
+                tiers.extend([_TIER_OF_LOCATION[location]] * len(keys))
+            else:
+                tiers.extend(self._plugin_tier(key) for key in keys)
+        return tiers
+
+    def _plugin_tier(self, key: Any) -> str:
+        """Where the plugin will serve ``key`` from: LMCache's CPU tier when
+        it holds the chunk (past the prefix LMCache's lookup found there),
+        else the plugin's highest tier holding it."""
+        cache = None if self.backend is None else self.backend.cache
+        return (cache and cache.where(key)) or "warm"
+
+    def _retrieve(self, live: _Live) -> None:
+        """Load the hit prefix past what the GPU holds (the worker's blocking
+        load; vLLM's connector masks the GPU's share, chunk-aligned), then
+        unpin."""
+        assert self.engine is not None
+        tokens = self.workload.tokens[live.index]
+        hit_tokens = min(len(live.hits) * CHUNK_TOKENS, len(tokens))
+        skip = live.gpu_cached // CHUNK_TOKENS * CHUNK_TOKENS
+        lookup_id = self._lookup_id(live)
+        if hit_tokens > live.gpu_cached:
+            mask = torch.ones(hit_tokens, dtype=torch.bool)
+            mask[:skip] = False
+            loaded = self.engine.retrieve(
+                tokens[:hit_tokens],
+                mask=mask,
+                kvcaches=self.workload.kv,
+                req_id=lookup_id,
+            )
+            live.loaded_tokens = int(loaded.sum())
+            if live.loaded_tokens:
+                live.cached = live.computed = max(
+                    live.gpu_cached, skip + live.loaded_tokens
+                )
+        self.engine.lookup_unpin(lookup_id)
+
+    # ----------------------------------------------------------------- steps
+
+    def _mixed_step(self) -> None:
+        """One step: a budget of prompt tokens, one token per decoding request."""
+        profile = self.setup.profile
+        budget = self.setup.token_budget
+        seconds = 0.0
+        chunks: list[tuple[_Live, int]] = []
+        for live in self.prefilling:
+            # the last prompt token is always computed (vLLM needs its logits)
+            left = max(self.requests[live.index].input_length - live.computed, 1)
+            take = min(left, budget)
+            if take <= 0:
+                break
+            seconds += profile.prefill_s(take, live.computed)
+            chunks.append((live, take))
+            budget -= take
+        seconds += profile.decode_step_s(len(self.decoding), self._context())
+        self.gpu += seconds / self.setup.clock
+        self._sleep_until(self.gpu)
+        self._advance_decoders(1)
+        for live, take in chunks:
+            request = self.requests[live.index]
+            live.computed = min(live.computed + take, request.input_length)
+            if live.computed >= request.input_length:
+                self._prefilled(live)
+
+    def _prefilled(self, live: _Live) -> None:
+        """Store the new KV (what vLLM's LMCache connector saves), first token."""
+        self.prefilling.remove(live)
+        self.gpu_cache.hold(self.requests[live.index])
+        tokens = self.workload.tokens[live.index]
+        skip = live.cached // CHUNK_TOKENS * CHUNK_TOKENS
+        if self.engine is not None and len(tokens) - skip >= CHUNK_TOKENS:
+            mask = torch.ones(len(tokens), dtype=torch.bool)
+            mask[:skip] = False
+            with self._real_work():
+                self.engine.store(tokens, mask=mask, kvcaches=self.workload.kv)
+        live.first_token = self.gpu
+        live.output_left = self.requests[live.index].output_length - 1
+        if live.output_left > 0:
+            self.decoding.append(live)
+        else:
+            self._finish(live)
+
+    def _decode_steps(self) -> None:
+        """Decode steps up to the next finish, or until an arrival can be
+        admitted (at the end of the step in progress)."""
+        dt = (
+            self.setup.profile.decode_step_s(len(self.decoding), self._context())
+            / self.setup.clock
+        )
+        steps = min(live.output_left for live in self.decoding)
+        began = self.gpu
+        if len(self.decoding) < self.setup.concurrency:
+            with self.cond:
+                self.cond.wait_for(
+                    lambda: bool(self.waiting) or self.done(),
+                    timeout=began + steps * dt - self.now(),
+                )
+            steps = min(steps, max(1, math.ceil((self.now() - began) / dt)))
+        self.gpu = began + steps * dt
+        self._sleep_until(self.gpu)
+        self._advance_decoders(steps)
+
+    def _advance_decoders(self, steps: int) -> None:
+        for live in list(self.decoding):
+            live.output_left -= steps
+            if live.output_left <= 0:
+                self.decoding.remove(live)
+                self._finish(live)
+
+    def _context(self) -> int:
+        """Tokens of context the decoding requests attend to (for the KV reads)."""
+        return sum(
+            self.requests[live.index].input_length
+            + self.requests[live.index].output_length
+            - live.output_left
+            for live in self.decoding
+        )
+
+    def _sleep_until(self, deadline: float) -> None:
+        """Sleep to the GPU clock; note how far the wall clock ran ahead of it
+        (real work slower than modelled, e.g. on a busy machine)."""
+        delay = deadline - self.now()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            self.lag_max = max(self.lag_max, -delay)
+
+    def _finish(self, live: _Live) -> None:
+        request = self.requests[live.index]
+        self.gpu_cache.release(request)
+        on_gpu = live.gpu_cached // CHUNK_TOKENS
+        loaded = on_gpu + math.ceil(live.loaded_tokens / CHUNK_TOKENS)
+        gpu = {"gpu": on_gpu} if on_gpu else {}
+        self.records[live.index] = RequestRecord(
+            arrival=live.arrival,
+            scheduled=live.scheduled,
+            loaded=live.loaded,
+            first_token=live.first_token,
+            finished=self.gpu,
+            input_length=request.input_length,
+            output_length=request.output_length,
+            prompt_chunks=math.ceil(request.input_length / CHUNK_TOKENS),
+            found=gpu | dict(Counter(live.hits[on_gpu:])),
+            served=gpu | dict(Counter(live.hits[on_gpu:loaded])),
+        )
+        with self.cond:
+            for index in self.followers.get(live.index, ()):
+                follower = self.requests[index]
+                release = max(
+                    follower.arrival_s / self.setup.clock,
+                    self.gpu + follower.think_s / self.setup.clock,
+                )
+                heapq.heappush(self.pending, (release, index))
+            self.finished += 1
+            self.cond.notify_all()
+        self.progress.advance()

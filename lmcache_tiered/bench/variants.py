@@ -1,0 +1,251 @@
+"""The variants a bench run compares and their lifecycle: each warm-up policy
+on the plugin, LMCache's stock ``LocalDiskBackend``, vLLM's GPU prefix cache
+alone; for each a fresh engine and fresh directories, links modelled on its
+tiers, one replay, its result.
+
+May touch: the variant's own directories (created and removed), the engine
+it builds and destroys (:mod:`lmcache_tiered.testing`), the plugin's cache
+settings (its clock) and tiers (links, :mod:`lmcache_tiered.bench.link`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.v1.config import LMCacheEngineConfig
+
+from lmcache_tiered import testing
+from lmcache_tiered._lmcache import LMCacheEngine
+from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.bench import report
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.link import emulate_link
+from lmcache_tiered.bench.report import RequestRecord, RunResult
+from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.bench.serving import Replay
+
+#: Name of the no-plugin baseline: LMCache's own LocalDiskBackend.
+LOCAL_DISK = "lmcache_local_disk"
+#: A variant named again runs again as NAME#2, NAME#3, ...: ``none,none`` is
+#: an A/A pair whose paired change is the bench's own run-to-run noise.
+TWIN_MARK = "#"
+
+
+class VariantUnavailable(RuntimeError):
+    """A variant's backend did not load (e.g. a policy that is not installed)."""
+
+
+@dataclass(slots=True)
+class VariantDirs:
+    """A variant's fresh directories, removed when it is done."""
+
+    warm: list[str]
+    cold: list[str]
+    baseline: list[str]
+
+    @staticmethod
+    def create(setup: Setup, name: str) -> VariantDirs:
+        def fresh(bases: Sequence[str], kind: str) -> list[str]:
+            return [
+                tempfile.mkdtemp(prefix=f"lmcache-bench-{name}-{kind}{i}-", dir=base)
+                for i, base in enumerate(bases)
+            ]
+
+        return VariantDirs(
+            fresh(setup.warm_paths, "warm"),
+            fresh(setup.cold_paths, "cold"),
+            fresh(setup.baseline_paths, "baseline")
+            if name == LOCAL_DISK and setup.baseline_paths != setup.warm_paths
+            else [],
+        )
+
+    def remove(self) -> None:
+        for path in self.warm + self.cold + self.baseline:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def policy_of(variant: str) -> str:
+    """The policy (or the stock baseline) a variant runs: its name, less any
+    twin number."""
+    return variant.partition(TWIN_MARK)[0]
+
+
+def number_twins(variants: Sequence[str]) -> list[str]:
+    """Each variant once: a name given again becomes NAME#2, NAME#3, ..."""
+    numbered: list[str] = []
+    for name in variants:
+        label, count = name, 1
+        while label in numbered:
+            count += 1
+            label = f"{name}{TWIN_MARK}{count}"
+        numbered.append(label)
+    return numbered
+
+
+def engine_config(name: str, setup: Setup, dirs: VariantDirs) -> LMCacheEngineConfig:
+    """LMCache config of variant ``name``: the plugin with its policy, or stock."""
+    policy = policy_of(name)
+    memory: dict[str, Any] = {
+        "chunk_size": CHUNK_TOKENS,
+        "local_cpu": setup.hot_gb > 0,
+        "max_local_cpu_size_gb": setup.hot_gb or setup.staging_gb,
+    }
+    if policy == LOCAL_DISK:
+        return testing.build_config(
+            **memory,
+            local_disk=",".join(dirs.baseline or dirs.warm),
+            max_local_disk_size_gb=setup.baseline_disk_gb,
+            # O_DIRECT, as the plugin: the page cache must not serve reads
+            extra_config={"use_odirect": True},
+        )
+    extra: dict[str, Any] = {
+        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+        "storage_plugin.tiered.class_name": "TieredBackend",
+        "tiered.warm.paths": dirs.warm,
+        "tiered.warm.capacity_gb": setup.warm_gb,
+        "tiered.io_engine": setup.io_engine,
+        "tiered.warmup.policy": policy,
+        # arrival hints reach the backend over loopback HTTP, as deployed
+        "tiered.warmup.hint_port": 0,
+    }
+    if dirs.cold:
+        extra["tiered.cold.paths"] = dirs.cold
+        extra["tiered.cold.capacity_gb"] = setup.cold_gb
+    return testing.build_config(
+        **memory, extra_config=extra, storage_plugins=["tiered"]
+    )
+
+
+class _ErrorCapture(logging.Filter):
+    """Holds back the plugin's ERROR records while an engine is built.
+
+    LMCache only logs a plugin that fails to load; the captured message
+    becomes the reason a variant is unavailable instead of log noise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            self.records.append(record)
+            return False
+        return True
+
+
+def build_variant(
+    name: str, setup: Setup, dirs: VariantDirs
+) -> tuple[LMCacheEngine, TieredBackend | None]:
+    """A fresh engine for the variant; VariantUnavailable if the plugin failed."""
+    plugin_logger = logging.getLogger("lmcache_tiered")
+    capture = _ErrorCapture()
+    plugin_logger.addFilter(capture)
+    try:
+        engine, _ = testing.build_engine(
+            engine_config(name, setup, dirs),
+            num_layers=1,
+            num_kv_heads=1,
+            head_size=setup.shape.head_size,
+            log_level=logging.ERROR,
+            require_plugins=False,  # checked below, with the reason
+        )
+    finally:
+        plugin_logger.removeFilter(capture)
+    if policy_of(name) == LOCAL_DISK:
+        return engine, None
+    backend = testing.get_backends(engine).get("tiered")
+    if not isinstance(backend, TieredBackend):
+        testing.destroy_engine(engine)
+        reason = "; ".join(r.getMessage() for r in capture.records) or "see the log"
+        raise VariantUnavailable(f"the tiered backend did not load: {reason}")
+    for record in capture.records:
+        plugin_logger.handle(record)
+    if (cache := backend.cache) is not None:
+        # policies' time settings are production seconds: run their clock as
+        # fast as the replay's
+        cache.time_scale = setup.clock
+        for tier, link in (
+            (cache.tiers.get("cold"), setup.cold_link),
+            (cache.tiers.get("warm"), setup.warm_link),
+        ):
+            if link is not None and tier is not None:
+                emulate_link(tier, link, setup.clock)
+    return engine, backend
+
+
+def warmup_quality(metrics: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(precision, timeliness) of the warm-up, None where there was none.
+
+    Precision = promoted-to-hot bytes used / promoted; timeliness = timely /
+    (timely + late) demand reads of promoted chunks (see
+    :class:`lmcache_tiered.metrics.WarmupStats`).
+    """
+    warmup = metrics.get("warmup") or {}
+    demanded = warmup.get("timely", 0) + warmup.get("late", 0)
+    timeliness = warmup["timely"] / demanded if demanded else None
+    return warmup.get("precision"), timeliness
+
+
+def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunResult:
+    """Replay the workload on a fresh engine and fresh directories
+    (``no_external_cache``: no engine, vLLM's GPU prefix cache only)."""
+    dirs = VariantDirs.create(setup, name)
+    try:
+        engine, backend = (
+            (None, None)
+            if policy_of(name) == NO_EXTERNAL_CACHE
+            else build_variant(name, setup, dirs)
+        )
+        progress = report.Progress(label, len(workload.requests))
+        try:
+            started = time.monotonic()
+            replay = Replay(setup, workload, engine, backend, name, progress)
+            records = replay.run()
+            wall = time.monotonic() - started
+            result = _result(name, setup, records, backend, wall, replay.lag_max)
+            result.backend_metrics["gpu_prefix_cache"] = replay.gpu_cache.metrics()
+        except BaseException:
+            progress.close("failed")
+            raise
+        finally:
+            if engine is not None:
+                testing.destroy_engine(engine)
+        progress.close(f"done in {wall:.0f}s")
+        return result
+    finally:
+        dirs.remove()
+        gc.collect()
+
+
+def _result(
+    name: str,
+    setup: Setup,
+    records: list[RequestRecord],
+    backend: TieredBackend | None,
+    wall: float,
+    lag: float,
+) -> RunResult:
+    metrics = {} if backend is None else backend.metrics_snapshot()
+    tiers = metrics.get("tiers", {})
+    precision, timeliness = warmup_quality(metrics)
+    return RunResult(
+        name=name,
+        records=records,
+        chunk_bytes=setup.chunk_bytes,
+        tier_bytes_read=None
+        if backend is None
+        else {tier: stats["bytes_read"] for tier, stats in tiers.items()},
+        backend_metrics=metrics,
+        warmup_precision=precision,
+        warmup_timeliness=timeliness,
+        wall_s=wall,
+        lag_max=lag,
+    )
