@@ -184,18 +184,26 @@ class AdapterTier:
         return False
 
     def remove(self, key: StoreKey) -> bool:
-        digest = key_digest(key)
+        return self.remove_many([key]) == 1
+
+    def remove_many(self, keys: Sequence[StoreKey], wait_s: float = 0.0) -> int:
+        """Delete ``keys`` from the store in one batch; how many we held.
+
+        Headers go first, so a chunk is invisible before its payload goes; on
+        a thread of its own (LMCache's native adapters block up to 30 s),
+        waited for up to ``wait_s``."""
         with self._lock:
-            gone = self._index.pop(digest, None) is not None
+            digests = [d for k in keys if self._index.pop(d := key_digest(k), None)]
         adapter = self._adapter
-        if gone and adapter is not None:
-            # header first, so the chunk is invisible before its payload goes;
-            # on a thread of its own: LMCache's native adapters block up to 30 s
-            objects = [_object_key(digest, _HEADER), _object_key(digest, _PAYLOAD)]
-            threading.Thread(
+        if digests and adapter is not None:
+            objects = [_object_key(d, _HEADER) for d in digests]
+            objects += [_object_key(d, _PAYLOAD) for d in digests]
+            deleting = threading.Thread(
                 target=_delete, args=(adapter, objects), daemon=True
-            ).start()
-        return gone
+            )
+            deleting.start()
+            deleting.join(wait_s)
+        return len(digests)
 
     def victims(self, count: int) -> list[StoreKey]:
         return []

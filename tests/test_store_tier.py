@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import cache_of, store_chunks, wait_until
+from test_bench import SMALL, mooncake, write_trace
 from test_mp import CHUNK as MP_CHUNK
 from test_mp import SLOT, Caller, memory_obj, okey, params
 
-from lmcache_tiered import adapter_tier, testing
+from lmcache_tiered import adapter_tier, cli, testing
 from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.config import ConfigError, TieredConfig
@@ -365,3 +366,39 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
     assert testing.lookup(engine, first) == 2 * CHUNK  # rediscovered
     out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
+
+
+def test_bench_runs_against_the_real_store_and_leaves_it_empty(
+    tmp_path: Path, redis: Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench --cold-adapter``: no CPU tier, a warm tier of 3 chunks, two
+    prompts of 12: A's chunks go to Redis and A's follow-up turns are served
+    from it; each variant deletes what it stored."""
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    chunk = 256 * 128  # tokens x KV bytes per token of SMALL
+    a, c = list(range(1, 7)), list(range(20, 26))
+    requests = [
+        mooncake(0, 6 * 512, a),
+        mooncake(100_000, 6 * 512, c),
+        mooncake(200_000, 6 * 512 + 300, [*a, 9]),
+        mooncake(300_000, 6 * 512 + 400, [*a, 10]),
+    ]
+    trace_path = write_trace(tmp_path / "t.jsonl", requests)
+    out = tmp_path / "r.json"
+    argv = ["bench", "--trace", str(trace_path), *SMALL, "--warm", str(warm)]
+    argv += ["--cold-adapter", redis.adapter, "--hot-gb", "0"]
+    argv += ["--warm-gb", str(3 * (chunk + 4096) / 2**30), "--concurrency", "1"]
+    argv += ["--policies", "none,lookahead", "--no-baseline", "--plot", "none"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "cold tier on a real resp store" in printed
+    document = json.loads(out.read_text())
+    assert document["config"]["cold_adapter"]["type"] == "resp"
+    assert document["config"]["cold_link"] is None  # the store is the link
+    for name in ("none", "lookahead"):
+        run = document["policies"][name]
+        cold = run["backend_metrics"]["tiers"]["cold"]
+        assert cold["bytes_written"] > 0 and cold["hits"] > 0, name
+        assert run["hit_rate"]["cold"] + run["hit_rate"]["warm"] > 0, name
+    assert redis.objects() == []  # each variant deleted its chunks

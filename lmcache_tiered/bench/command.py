@@ -37,6 +37,7 @@ from lmcache_tiered.bench.variants import (
     number_twins,
     policy_of,
 )
+from lmcache_tiered.config import SETTINGS, ConfigError
 from lmcache_tiered.warmup import installed_policies
 
 #: The command's help text: what the bench runs and models.
@@ -208,6 +209,17 @@ def add_parser(subparsers: Any) -> None:
         help="cold tier directories, or 'none' (default: as for --warm)",
     )
     tiers.add_argument(
+        "--cold-adapter",
+        type=_adapter_arg,
+        metavar="JSON",
+        help="the cold tier on a real store instead of directories: the JSON "
+        'LMCache\'s --l2-adapter takes, e.g. \'{"type": "resp", "host": '
+        '"127.0.0.1", "port": 6379}\'; no link is modelled (the store\'s own '
+        "speed is the link's: a loopback store is faster than a remote one); each "
+        "variant stores under a model name of its own and deletes its chunks "
+        "when done",
+    )
+    tiers.add_argument(
         "--cold-link",
         type=_link_arg,
         default=DEFAULT_COLD_LINK,
@@ -273,6 +285,14 @@ def _link_arg(text: str) -> LinkModel | None:
         return LinkModel.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _adapter_arg(text: str) -> dict[str, Any]:
+    try:
+        spec: dict[str, Any] = SETTINGS["cold.adapter"].parse("--cold-adapter", text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 #: How a preset's text settings become values, as their options' types do.

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,8 @@ class Setup:
     warm_link: LinkModel | None = None
     #: vLLM's GPU prefix cache in front of every variant (tokens; 0: none)
     gpu_kv_tokens: int = 0
+    #: the cold tier on a real store (LMCache's ``--l2-adapter`` JSON)
+    cold_adapter: Mapping[str, Any] | None = None
 
     @property
     def clock(self) -> float:
@@ -158,6 +162,12 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
     base = default_base()
     warm = split_list(args.warm) or [base]
     cold = [] if args.cold == "none" else split_list(args.cold) or [base]
+    if args.cold_adapter is not None:
+        if args.cold not in (None, "none"):
+            raise ValueError(
+                "--cold-adapter and --cold both name a cold tier: give one of them"
+            )
+        cold = []
     return Setup(
         profile=profile,
         shape=shape,
@@ -174,6 +184,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         cold_link=args.cold_link if cold else None,
         warm_link=args.warm_link,
         gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
+        cold_adapter=args.cold_adapter,
     )
 
 
@@ -198,6 +209,9 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
         if setup.cold_paths
         else "none"
     )
+    if setup.cold_adapter is not None:
+        cold = f"the store {json.dumps(setup.cold_adapter)} (real, no link model)"
+        link = link or "; the store is remote"
     return "\n".join(
         [
             f"workload: {source}, {len(requests)} requests, "
@@ -230,7 +244,13 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
 
 def compared(setup: Setup, baseline: bool) -> str:
     """What the run compares, in words, for the summary line and the picture."""
-    if setup.cold_link is not None:
+    if setup.cold_adapter is not None:
+        tiers = (
+            "warm tier on the local disk, cold tier on a real "
+            f"{setup.cold_adapter['type']} store"
+        )
+        stock = "the local disk only"
+    elif setup.cold_link is not None:
         tiers = (
             "warm tier on the local disk, cold tier remote behind a modelled "
             f"link of {setup.cold_link}"
@@ -300,6 +320,9 @@ def config_json(
         "gpu_kv_tokens": setup.gpu_kv_tokens,
         "gpu_kv_bytes_per_rank_production": setup.gpu_kv_tokens
         * setup.profile.kv_bytes_per_token,
+        "cold_adapter": None
+        if setup.cold_adapter is None
+        else dict(setup.cold_adapter),
         "cold_link": None
         if setup.cold_link is None
         else {"gbps": setup.cold_link.gbps, "latency_s": setup.cold_link.latency_s},

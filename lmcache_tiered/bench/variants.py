@@ -5,7 +5,8 @@ tiers, one replay, its result.
 
 May touch: the variant's own directories (created and removed), the engine
 it builds and destroys (:mod:`lmcache_tiered.testing`), the plugin's cache
-settings (its clock) and tiers (links, :mod:`lmcache_tiered.bench.link`).
+settings (its clock) and tiers (links, :mod:`lmcache_tiered.bench.link`);
+with ``--cold-adapter``, the chunks it stored in that store (deleted at its end).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
+from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import report
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
@@ -30,12 +33,15 @@ from lmcache_tiered.bench.link import emulate_link
 from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
+from lmcache_tiered.cache import TieredCache
 
 #: Name of the no-plugin baseline: LMCache's own LocalDiskBackend.
 LOCAL_DISK = "lmcache_local_disk"
 #: A variant named again runs again as NAME#2, NAME#3, ...: ``none,none`` is
 #: an A/A pair whose paired change is the bench's own run-to-run noise.
 TWIN_MARK = "#"
+#: Seconds a variant waits for a real store to delete its chunks.
+STORE_CLEANUP_S = 30.0
 
 
 class VariantUnavailable(RuntimeError):
@@ -118,6 +124,8 @@ def engine_config(name: str, setup: Setup, dirs: VariantDirs) -> LMCacheEngineCo
     if dirs.cold:
         extra["tiered.cold.paths"] = dirs.cold
         extra["tiered.cold.capacity_gb"] = setup.cold_gb
+    if setup.cold_adapter is not None:
+        extra["tiered.cold.adapter"] = dict(setup.cold_adapter)
     return testing.build_config(
         **memory, extra_config=extra, storage_plugins=["tiered"]
     )
@@ -151,6 +159,7 @@ def build_variant(
     try:
         engine, _ = testing.build_engine(
             engine_config(name, setup, dirs),
+            model_name=store_model_name() if setup.cold_adapter else testing.MODEL_NAME,
             num_layers=1,
             num_kv_heads=1,
             head_size=setup.shape.head_size,
@@ -216,6 +225,8 @@ def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunR
             progress.close("failed")
             raise
         finally:
+            if backend is not None and backend.cache is not None:
+                _delete_from_store(backend.cache)
             if engine is not None:
                 testing.destroy_engine(engine)
         progress.close(f"done in {wall:.0f}s")
@@ -223,6 +234,22 @@ def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunR
     finally:
         dirs.remove()
         gc.collect()
+
+
+def store_model_name() -> str:
+    """A model name of its own for a variant whose cold tier is a real store:
+    the store outlives the variant, and chunks of earlier variants (or runs)
+    must not be found there, so their keys differ."""
+    return f"bench-{uuid.uuid4().hex[:12]}"
+
+
+def _delete_from_store(cache: TieredCache) -> None:
+    """Leave a real store as the variant found it: once the queued puts (and
+    the demotions they cause) are written, delete every chunk stored there."""
+    cold = cache.tiers.get("cold")
+    if isinstance(cold, AdapterTier):
+        cache.flush(STORE_CLEANUP_S)
+        cold.remove_many(cold.stored_keys(), wait_s=STORE_CLEANUP_S)
 
 
 def _result(

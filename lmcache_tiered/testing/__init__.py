@@ -40,6 +40,7 @@ from lmcache_tiered.testing.drive import (
 from lmcache_tiered.testing.engine import (
     CPU_TIER,
     DISK_TIER,
+    MODEL_NAME,
     build_config,
     build_engine,
     destroy_all_engines,
@@ -60,6 +61,7 @@ __all__ = [
     "CPU_TIER",
     "DISK_TIER",
     "KV_LAYOUT",
+    "MODEL_NAME",
     "CPUConnector",
     "RecordingLookupServer",
     "abort_async_lookup",

@@ -132,10 +132,14 @@ def build_config(
     return config
 
 
+#: The model name in the keys of every engine built here, unless told.
+MODEL_NAME = "tiny"
+
+
 def build_engine(
     config: LMCacheEngineConfig,
     *,
-    model_name: str = "tiny",
+    model_name: str = MODEL_NAME,
     num_layers: int = 2,
     num_kv_heads: int = 2,
     head_size: int = 64,
