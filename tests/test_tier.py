@@ -199,18 +199,6 @@ def test_oversized_chunk_is_dropped_not_truncated(
     assert tier.stats.puts_dropped == 1
 
 
-def test_remove_while_reading_frees_slot_once(
-    tier_factory: TierFactory, allocator: MixedMemoryAllocator
-) -> None:
-    tier = tier_factory()
-    tier.write([(key(0), make_obj(allocator, 0))])
-    entries = tier._begin_reads([key(0)])
-    assert tier.remove(key(0))
-    assert entries[0] is not None and entries[0].slot not in tier._free
-    tier._end_reads(entries, [True])
-    assert tier._free.count(entries[0].slot) == 1
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_concurrent_writers_and_readers(
     tier_factory: TierFactory, allocator: MixedMemoryAllocator, engine: str
@@ -259,14 +247,14 @@ def test_concurrent_writers_and_readers(
     assert errors == []
     assert tier.stats.hits > 0
     assert len(tier) <= 12
-    slots = [e.slot for e in tier._entries.values()]
+    slots = [e.slot for e in tier.index]
     assert len(slots) == len(set(slots))
-    assert not set(slots) & set(tier._free)
+    assert not set(slots) & set(tier.index.free_slots)
 
 
 def test_odirect_is_really_used(tier_factory: TierFactory) -> None:
     tier = tier_factory(io_engine="uring")
-    for fd in tier._fds:
+    for fd in tier.files.fds:
         with open(f"/proc/self/fdinfo/{fd}") as f:
             flags = int(
                 next(line for line in f if line.startswith("flags")).split()[1], 8
@@ -284,7 +272,7 @@ def test_direct_io_off_opens_buffered(
     tier_factory: TierFactory, tmp_path: Path
 ) -> None:
     tier = tier_factory(direct_io=False)
-    with open(f"/proc/self/fdinfo/{tier._fds[0]}") as f:
+    with open(f"/proc/self/fdinfo/{tier.files.fds[0]}") as f:
         flags = int(next(line for line in f if line.startswith("flags")).split()[1], 8)
     assert not flags & os.O_DIRECT
 
