@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -294,3 +295,36 @@ def test_evict_only_spares_records_not_copied_elsewhere(
     assert tier.write_payloads([Payload.of(key(3), make_obj(allocator, 3))], []) == [
         False
     ]
+
+
+def test_after_io_hears_the_bytes_each_operation_moved(
+    tier_factory: TierFactory, allocator: MixedMemoryAllocator
+) -> None:
+    """The hook a link model pays its delay in: once per demand read, payload
+    read and payload write, in the caller's thread, after the I/O (a write
+    is visible by then), with the payload bytes moved; misses and keys
+    already stored move none."""
+    tier = tier_factory()
+    caller = threading.get_ident()
+    heard: list[tuple[int, bool]] = []
+
+    def pay(nbytes: int) -> None:
+        assert threading.get_ident() == caller
+        heard.append((nbytes, tier.header(key(0)) is not None))
+        time.sleep(0.05)
+
+    tier.after_io = pay
+    chunk = SHAPE.numel() * 2
+    obj = make_obj(allocator, 0)
+    started = time.perf_counter()
+    assert tier.write([(key(0), obj)]) == [True]
+    assert time.perf_counter() - started >= 0.05  # paid before it returns
+    assert tier.write([(key(0), obj)]) == [True]  # already stored: no I/O
+    (got,) = tier.read([key(0)], reader(allocator))
+    assert got is not None and torch.equal(got.tensor, obj.tensor)
+    assert tier.read([key(1)], reader(allocator)) == [None]
+    (payload,) = tier.read_payloads([key(0)])
+    assert payload is not None
+    assert tier.read_payloads([key(0), key(1)])[1] is None
+    assert [n for n, _ in heard] == [chunk, 0, chunk, 0, chunk, chunk]
+    assert all(visible for _, visible in heard)
