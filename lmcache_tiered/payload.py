@@ -8,6 +8,7 @@ importing a tier.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,19 @@ class Payload:
             obj.get_memory_format(),
             payload_view(obj)[: obj.get_size()],
             obj.data_ptr % ALIGN == 0,
+        )
+
+    def header(self, crc: int, sequence: int) -> RecordHeader:
+        """The header that makes this payload, checksummed ``crc``, visible."""
+        return RecordHeader(
+            key=self.key,
+            shape=self.shape,
+            dtype=self.dtype,
+            fmt=self.fmt,
+            payload_size=len(self.view),
+            payload_crc=crc,
+            sequence=sequence,
+            created_ns=time.time_ns(),
         )
 
     @staticmethod

@@ -97,7 +97,6 @@ class Tier:
         self.read_only = read_only
         self.paths = options.paths
         self.verify_reads = options.verify_reads
-        self.fsync = options.fsync
         self._slot_setting = options.slot_setting
         self.stats = TierStats()
         self.geometry = Geometry.plan(
@@ -464,7 +463,7 @@ class Tier:
         # checksums on the verifier threads while the payloads are in flight
         checksums = _VERIFIERS.map(payload_checksum, [p.view for _, _, p, _ in taken])
         planned = [
-            (i, Entry(slot, self._header_for(payload, crc, last_sequence - i)), t)
+            (i, Entry(slot, payload.header(crc, last_sequence - i)), t)
             for (i, slot, payload, t), crc in zip(taken, checksums, strict=True)
         ]
         payload_ok = self._finish_writes(requests, writing, planned)
@@ -496,19 +495,6 @@ class Tier:
                     self.index.give_back(entry.slot)
         return stored, moved
 
-    @staticmethod
-    def _header_for(payload: Payload, crc: int, sequence: int) -> RecordHeader:
-        return RecordHeader(
-            key=payload.key,
-            shape=payload.shape,
-            dtype=payload.dtype,
-            fmt=payload.fmt,
-            payload_size=len(payload.view),
-            payload_crc=crc,
-            sequence=sequence,
-            created_ns=time.time_ns(),
-        )
-
     def _write_all(self, requests: list[IORequest]) -> list[bool]:
         """Write a batch (and fdatasync if configured); success per request."""
         return self._finish_writes(requests, self.files.submit(requests, write=True))
@@ -519,18 +505,9 @@ class Tier:
         writing: Future[list[int]],
         per_record: Sequence[tuple[int, Entry, Transfer]] | None = None,
     ) -> list[bool]:
-        """Wait for a submitted batch (and fdatasync if configured); success
-        per record, or per request when ``per_record`` is None. A failed
-        fdatasync fails the whole batch: nothing unsynced is acknowledged."""
-        results = writing.result()
-        failure = self.files.first_error(requests, results)
-        written = [n >= len(r.buffer) for r, n in zip(requests, results, strict=True)]
-        if self.fsync and any(written):
-            try:
-                self.files.sync()
-            except OSError as exc:
-                failure = ("fdatasync of its files", exc.errno or errno.EIO)
-                written = [False] * len(written)
+        """Wait for a submitted batch (see :meth:`TierFileSet.written`);
+        success per record, or per request when ``per_record`` is None."""
+        written, failure = self.files.written(requests, writing)
         self.health.note_io(failure)
         if per_record is None:
             return written

@@ -320,10 +320,24 @@ class TierFileSet:
             None,
         )
 
-    def sync(self) -> None:
-        """fdatasync every file (OSError if one fails)."""
-        for fd in self.fds:
-            os.fdatasync(fd)
+    def written(
+        self, requests: Sequence[IORequest], writing: Future[list[int]]
+    ) -> tuple[list[bool], tuple[str, int] | None]:
+        """Wait for a submitted write batch, then fdatasync the files if
+        configured: success per request, and the first failure (file, errno).
+        A failed fdatasync fails the whole batch: nothing unsynced is
+        acknowledged."""
+        results = writing.result()
+        failure = self.first_error(requests, results)
+        written = [n >= len(r.buffer) for r, n in zip(requests, results, strict=True)]
+        if self.options.fsync and any(written):
+            try:
+                for fd in self.fds:
+                    os.fdatasync(fd)
+            except OSError as exc:
+                failure = ("fdatasync of its files", exc.errno or errno.EIO)
+                written = [False] * len(written)
+        return written, failure
 
     def preallocate(self, first: int, count: int) -> None:
         """Make room for slots ``first`` to ``first + count - 1`` on every
@@ -412,14 +426,9 @@ class TierFileSet:
         for fd in self.fds:
             os.ftruncate(fd, 0)
         block[:] = self.geometry.encode_superblock()
-        written = self.submit([IORequest(self.header_file, 0, block)], write=True)
-        ok = written.result() == [HEADER_SIZE]
-        if ok and self.options.fsync:
-            try:
-                self.sync()
-            except OSError:
-                ok = False
-        if not ok:
+        superblock = [IORequest(self.header_file, 0, block)]
+        ok, _ = self.written(superblock, self.submit(superblock, write=True))
+        if ok != [True]:
             raise OSError(errno.EIO, f"cannot write the superblock of {self.names[-1]}")
         return [], 0
 

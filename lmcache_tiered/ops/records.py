@@ -1,10 +1,12 @@
 """Read-only access to one owner's files of a tier, for the operator tools.
 
 A tier directory holds, per owner (``kv-w<worker>``), a header file on the
-first path, one slab per path and a lock file. :class:`TierFiles` opens them
+first path, one slab per path and a lock file, named by
+:class:`lmcache_tiered.layout.TierNames`. :class:`TierFiles` opens them
 without O_DIRECT and without taking the lock, decodes the superblock and
-every header with the same validation as a live tier, and reads payloads
-extent by extent to check their CRC.
+every header with the live tier's own scan and validation
+(:func:`lmcache_tiered.layout.scan_headers`), and reads payloads extent by
+extent to check their CRC.
 
 The files are checked, not trusted: each is opened without blocking and only
 if it is a regular file (a FIFO planted under a tier name would hang the
