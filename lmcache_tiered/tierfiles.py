@@ -26,7 +26,7 @@ from lmcache_tiered.config import (
     exposure_warning,
     shared_file_systems,
 )
-from lmcache_tiered.files import NotRegularFile, open_regular
+from lmcache_tiered.files import NotRegularFile, open_regular, try_lock
 from lmcache_tiered.io import IOEngine, aligned_buffer, make_engine
 from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.layout import (
@@ -189,15 +189,13 @@ class TierFileSet:
 
     def _take_lock(self, fd: int, name: str, what: str) -> None:
         """flock ``fd`` for this process; ConfigError if another holds it."""
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_lock(fd):
             raise ConfigError(
                 f"{self.options.paths_setting}: {name} {what} by another live "
                 "process; give each LMCache instance its own directories (a "
                 "directory can be reached by several names: symbolic links, bind "
                 "mounts)"
-            ) from None
+            )
 
     def _refuse_shared_files(self, fds: Sequence[int]) -> None:
         """ConfigError if two of the names are one file (a hard link): their

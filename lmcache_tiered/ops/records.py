@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from lmcache_tiered.files import NotRegularFile, open_regular
+from lmcache_tiered.files import NotRegularFile, open_regular, try_lock
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.layout import (
@@ -151,13 +150,11 @@ class TierFiles:
     def lock(self) -> None:
         """Take the tier's lock as a live tier does; ToolError if one holds it."""
         fd = self._open(self.lock_name, os.O_RDONLY | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_lock(fd):
             raise ToolError(
                 f"{self.lock_name} is held by a live process "
                 f"(pid {lock_holder(self.lock_name) or '?'}): stop it first"
-            ) from None
+            )
 
     @property
     def disk_bytes(self) -> int:
