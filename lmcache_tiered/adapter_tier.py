@@ -66,7 +66,7 @@ from lmcache_tiered.layout import (
     payload_checksum,
 )
 from lmcache_tiered.metrics import TierStats
-from lmcache_tiered.tier import Allocator, Payload, payload_view
+from lmcache_tiered.payload import Allocator, Payload, payload_view
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -284,9 +284,7 @@ class AdapterTier:
                 continue
             buffer = aligned_buffer(align_up(h.payload_size))
             buffer[: h.payload_size] = view
-            out.append(
-                Payload(h.key, h.shape, h.dtype, h.fmt, buffer[: h.payload_size], True)
-            )
+            out.append(Payload.read_back(h, buffer))
         return out
 
     def _read_checked(

@@ -169,8 +169,7 @@ class TieredCache:
                 if tier_settings is None:
                     continue
                 tier = Tier(
-                    tier_settings,
-                    settings,
+                    settings.tier_options(tier_settings),
                     # several hosts may share the cold tier: name files per host
                     owner=owner if name == "warm" else f"{owner}-{settings.host_id}",
                     max_payload=max_payload,

@@ -297,6 +297,27 @@ class TierSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TierOptions:
+    """What one tier (:class:`lmcache_tiered.tier.Tier`) takes from the
+    settings, in its own words. The ``*_setting`` fields are the names its
+    errors and warnings cite, so the storage layer speaks no configuration
+    vocabulary and the operator still reads what to change."""
+
+    name: str
+    paths: tuple[str, ...]
+    stripe_bytes: int
+    io_engine: str
+    queue_depth: int
+    direct_io: bool
+    verify_reads: bool
+    fsync: bool
+    file_mode: int
+    paths_setting: str
+    capacity_setting: str
+    slot_setting: str
+
+
+@dataclass(frozen=True, slots=True)
 class TieredConfig:
     """All settings of the plugin, parsed and validated."""
 
@@ -325,6 +346,23 @@ class TieredConfig:
     hint_port: int = -1
     #: ``tiered.warmup.<policy>.<param>`` values, keyed ``<policy>.<param>``
     policy_params: Mapping[str, Any] = field(default_factory=dict)
+
+    def tier_options(self, tier: TierSettings) -> TierOptions:
+        """The options of the tier ``tier`` (warm or cold) of these settings."""
+        return TierOptions(
+            name=tier.name,
+            paths=tier.paths,
+            stripe_bytes=self.stripe_bytes,
+            io_engine=self.io_engine,
+            queue_depth=self.queue_depth,
+            direct_io=self.direct_io,
+            verify_reads=self.verify_reads,
+            fsync=self.fsync,
+            file_mode=self.file_mode,
+            paths_setting=f"{PREFIX}{tier.name}.paths",
+            capacity_setting=f"{PREFIX}{tier.name}.capacity_gb",
+            slot_setting=f"{PREFIX}slot_mb",
+        )
 
     @staticmethod
     def from_extra_config(extra_config: Mapping[str, Any] | None) -> TieredConfig:

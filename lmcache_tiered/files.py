@@ -52,6 +52,16 @@ def open_regular(name: str, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
+def try_lock(fd: int) -> bool:
+    """Take the exclusive ``flock`` of ``fd`` without waiting (how a live
+    tier owns its files); False if another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def printable(text: str) -> str:
     """``text`` safe to print: backslashes and unprintable characters (escape
     sequences, bidi controls) as Python escapes; :func:`unprintable` undoes it."""

@@ -6,6 +6,11 @@ one *header* file on the first device::
     <path_i>/<name>.slab   slot s occupies [s * per_device, (s + 1) * per_device)
     <path_0>/<name>.hdr    4 KiB superblock, then one 4 KiB header per slot
 
+:class:`TierNames` is the one place these names are spelled, and
+:func:`scan_headers` with :func:`newest` the one reading of a header file
+(the live tier, the operator tools and the shared cold tier all use them), so
+a format change touches this file only.
+
 A chunk's payload is striped over the devices in units of ``stripe`` bytes
 (unit u lands on device u % N), so one chunk read keeps every device busy. The
 header is written only after the payload, and carries the payload's checksum
@@ -21,15 +26,18 @@ The superblock's format did not change (version 1).
 from __future__ import annotations
 
 import math
+import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 import crc32c
 import torch
 from lmcache.v1.memory_management import MemoryFormat
 
+from lmcache_tiered.files import open_regular
 from lmcache_tiered.io.base import ALIGN
 from lmcache_tiered.keys import (
     DIGEST_SIZE,
@@ -40,6 +48,8 @@ from lmcache_tiered.keys import (
 )
 
 HEADER_SIZE = ALIGN
+#: Header bytes read per request while scanning a header file.
+SCAN_BYTES = 4 << 20
 #: Version of the records written now; see the module docstring.
 FORMAT_VERSION = 2
 #: Record versions this code reads, and the payload checksum of each.
@@ -309,3 +319,90 @@ class Geometry:
             and self.per_device % self.stripe == 0
             and 0 < self.max_payload <= self.per_device * self.devices
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TierNames:
+    """The files of one owner (``kv-w0``, ``kv-mp``, a host's ``kv-w0-<host>``)
+    in a tier's directories: a slab per path, the header file and the lock
+    file on the first."""
+
+    paths: tuple[str, ...]
+    owner: str
+
+    HEADER: ClassVar[str] = ".hdr"
+
+    @property
+    def slabs(self) -> list[str]:
+        return [os.path.join(p, f"{self.owner}.slab") for p in self.paths]
+
+    @property
+    def header(self) -> str:
+        return os.path.join(self.paths[0], f"{self.owner}{self.HEADER}")
+
+    @property
+    def lock(self) -> str:
+        return os.path.join(self.paths[0], f"{self.owner}.lock")
+
+    @classmethod
+    def owner_of(cls, file_name: str) -> str | None:
+        """The owner whose header file is called ``file_name``, if it is one."""
+        return (
+            file_name.removesuffix(cls.HEADER)
+            if file_name.endswith(cls.HEADER)
+            else None
+        )
+
+
+def read_superblock(header_name: str) -> Geometry | None:
+    """The geometry recorded in a header file; None if there is none (no
+    file, or no valid superblock). The file is opened as a tier opens it
+    (never through a link, never blocking on a FIFO): OSError otherwise."""
+    try:
+        fd = open_regular(header_name, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return Geometry.decode_superblock(os.pread(fd, HEADER_SIZE, 0))
+    finally:
+        os.close(fd)
+
+
+def scan_headers(
+    read: Callable[[int, int], bytes | memoryview], slots: int, max_payload: int
+) -> tuple[list[tuple[int, RecordHeader | CorruptRecord]], int]:
+    """Decode the header blocks of slots ``[0, slots)``, SCAN_BYTES at a time.
+
+    ``read(first, count)`` returns the blocks of slots ``first`` to
+    ``first + count - 1``, shorter where the file ends; the scan stops there.
+    Returns every non-empty block (its header, or why it is not one) and the
+    number of whole blocks read.
+    """
+    found: list[tuple[int, RecordHeader | CorruptRecord]] = []
+    per_read = SCAN_BYTES // HEADER_SIZE
+    for first in range(0, slots, per_read):
+        count = min(per_read, slots - first)
+        data = read(first, count)
+        whole = len(data) // HEADER_SIZE
+        found += decode_header_blocks(data, first, max_payload)
+        if whole < count:
+            return found, first + whole
+    return found, slots
+
+
+_Item = TypeVar("_Item")
+
+
+def newest(
+    items: Iterable[_Item], header: Callable[[_Item], RecordHeader]
+) -> tuple[dict[bytes, _Item], list[_Item]]:
+    """The record a tier serves per key (highest sequence wins), in sequence
+    order of the winners, and the stale older copies it ignores."""
+    live: dict[bytes, _Item] = {}
+    stale: list[_Item] = []
+    for item in sorted(items, key=lambda i: header(i).sequence):
+        digest = key_digest(header(item).key)
+        if (old := live.pop(digest, None)) is not None:
+            stale.append(old)
+        live[digest] = item
+    return live, stale

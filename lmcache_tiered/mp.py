@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import queue
 import re
 import threading
@@ -90,8 +89,9 @@ from lmcache_tiered._lmcache import l2_memory_tags, seed_l2_usage
 from lmcache_tiered.cache import EmptyView, TieredCache, load_configured_policy
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.keys import StoreKey, key_digest
-from lmcache_tiered.layout import HEADER_SIZE, Geometry
-from lmcache_tiered.tier import Payload, Tier
+from lmcache_tiered.layout import TierNames, read_superblock
+from lmcache_tiered.payload import Payload
+from lmcache_tiered.tier import Tier
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -159,12 +159,7 @@ def borrow(obj: MemoryObj) -> TensorMemoryObj | None:
 def recorded_slot_bytes(path: str) -> int | None:
     """Slot size the adapter's tier under ``path`` was formatted with, if any:
     the default when ``slot_mb`` is not set, so a restart keeps its data."""
-    try:
-        with open(os.path.join(path, f"{OWNER}.hdr"), "rb") as f:
-            block = f.read(HEADER_SIZE)
-    except FileNotFoundError:
-        return None
-    geometry = Geometry.decode_superblock(block)
+    geometry = read_superblock(TierNames((path,), OWNER).header)
     return None if geometry is None else geometry.max_payload
 
 

@@ -25,8 +25,9 @@ from lmcache.utils import CacheEngineKey
 
 from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.files import file_kind, printable
-from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.tier import JOIN_S, Tier
+from lmcache_tiered.health import JOIN_S
+from lmcache_tiered.layout import RecordHeader, TierNames
+from lmcache_tiered.tier import Tier
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -74,9 +75,9 @@ class SharedCold:
         changed."""
         own, settings = self._own, self._settings
         assert own is not None and settings.cold is not None
-        ours = os.path.basename(own.header_path)
         for name in sorted(os.listdir(own.paths[0])):
-            if not name.endswith(".hdr") or name == ours:
+            owner = TierNames.owner_of(name)
+            if owner is None or owner == own.owner:
                 continue
             tier = self._foreign.get(name)
             try:
@@ -90,9 +91,8 @@ class SharedCold:
                 read_at = time.time()
                 if tier is None:
                     tier = Tier(
-                        settings.cold,
-                        settings,
-                        owner=name.removesuffix(".hdr"),
+                        settings.tier_options(settings.cold),
+                        owner=owner,
                         max_payload=self._max_payload,
                         capacity_bytes=settings.cold.capacity_bytes,
                         read_only=True,

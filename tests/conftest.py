@@ -16,7 +16,6 @@ from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import TieredConfig
-from lmcache_tiered.keys import key_digest
 from lmcache_tiered.tier import Tier
 
 ENGINES = ["uring", "threads"]
@@ -113,8 +112,7 @@ def tier_factory(device_dirs: list[Path]) -> Iterator[Callable[..., Tier]]:
         extra.update({f"tiered.{k}": v for k, v in settings.items()})
         config = TieredConfig.from_extra_config(extra)
         tier = Tier(
-            config.warm,
-            config,
+            config.tier_options(config.warm),
             owner="kv-w0",
             max_payload=max_payload,
             capacity_bytes=capacity_bytes,
@@ -134,7 +132,8 @@ def random_kv(shape: torch.Size, seed: int) -> torch.Tensor:
 
 def payload_offset(tier: Tier, key: Any) -> tuple[str, int]:
     """The slab file and offset where ``key``'s payload starts in ``tier``."""
-    entry = tier._entries[key_digest(key)]
+    entry = tier.index.get(key)
+    assert entry is not None
     extent = tier.geometry.extents(entry.slot, entry.header.payload_size)[0]
     return tier.slab_paths[extent.device], extent.offset
 

@@ -83,8 +83,7 @@ def run_child(path: Path, mode: str, expect: str) -> str:
 def open_tier(path: Path) -> Tier:
     config = TieredConfig.from_extra_config({"tiered.warm.paths": [str(path)]})
     return Tier(
-        config.warm,
-        config,
+        config.tier_options(config.warm),
         owner="kv-w0",
         max_payload=SHAPE.numel() * 2,
         capacity_bytes=config.warm.capacity_bytes,

@@ -36,8 +36,7 @@ from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered import layout, testing
-from lmcache_tiered import tier as tier_module
+from lmcache_tiered import health, layout, testing
 from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import SETTINGS, ConfigError, TieredConfig
@@ -91,8 +90,7 @@ def open_cache(config: TieredConfig, chunks: Chunks) -> TieredCache:
 def open_tier(paths: Sequence[Path | str], slots: int, **settings: Any) -> Tier:
     config = tiered_config(paths, **settings)
     return Tier(
-        config.warm,
-        config,
+        config.tier_options(config.warm),
         owner="kv-w0",
         max_payload=CHUNK_BYTES,
         capacity_bytes=slots * SLOT_BYTES,
@@ -302,16 +300,16 @@ def test_torn_payload_in_a_reused_slot_is_caught(device_dirs: list[Path]) -> Non
     tier = open_tier(device_dirs, 4)
     assert chunks.store(tier, range(4)) == [True] * 4
     victim = tier.victims(1)[0].chunk_hash
-    submit = tier._submit
     calls = []
 
-    def die_before_headers(requests: list[IORequest], write: bool) -> Any:
-        calls.append(len(requests))
-        if len(calls) == 1:
-            return submit(requests, write)  # the payloads
-        raise SystemExit("killed between payload and header")
+    class DieBeforeHeaders(FailingDevice):
+        def submit(self, requests: Sequence[IORequest], write: bool) -> Any:
+            calls.append(len(requests))
+            if len(calls) == 1:
+                return self.inner.submit(requests, write)  # the payloads
+            raise SystemExit("killed between payload and header")
 
-    tier._submit = die_before_headers  # type: ignore[method-assign]
+    tier.engine = DieBeforeHeaders(tier.engine)
     with pytest.raises(SystemExit):
         chunks.store(tier, [9])
     tier.close()
@@ -336,7 +334,9 @@ def _header_path(paths: Sequence[Path]) -> Path:
 
 
 def _slot_of(tier: Tier, i: int) -> int:
-    return next(e.slot for e in tier._entries.values() if e.header.key == key(i))
+    entry = tier.index.get(key(i))
+    assert entry is not None
+    return entry.slot
 
 
 def _patch(path: Path, offset: int, data: bytes) -> None:
@@ -553,7 +553,7 @@ class FailingDevice(IOEngine):
 
 @pytest.fixture
 def fast_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tier_module, "PROBE_S", 0.05)
+    monkeypatch.setattr(health, "PROBE_S", 0.05)
 
 
 def degraded_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -618,11 +618,11 @@ def test_write_path_errors_are_never_acknowledged(
             raise OSError(errno.EIO, "Input/output error")
 
         with monkeypatch.context() as patch:
-            patch.setattr(tier_module.os, "fdatasync", broken)
+            patch.setattr(os, "fdatasync", broken)
             assert chunks.store(tier, [0, 1]) == [False, False]
         assert chunks.store(tier, range(64)) == [True] * 64  # one group of slots
         with monkeypatch.context() as patch:
-            patch.setattr(tier_module.os, "posix_fallocate", broken)
+            patch.setattr(os, "posix_fallocate", broken)
             assert chunks.store(tier, [64]) == [False]
         assert tier.max_slots == 200 and tier.degraded is None
         assert chunks.store(tier, [64]) == [True]

@@ -39,9 +39,8 @@ from test_faults import (
     tiered_config,
 )
 
-from lmcache_tiered import layout, testing
+from lmcache_tiered import health, layout, testing, tierfiles
 from lmcache_tiered import shared as shared_module
-from lmcache_tiered import tier as tier_module
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import ConfigError
 from lmcache_tiered.keys import key_text
@@ -213,8 +212,7 @@ def test_fifos_in_a_shared_cold_tier_never_block(
     config = tiered_config(device_dirs, **settings)
     assert config.cold is not None
     Tier(
-        config.cold,
-        config,
+        config.tier_options(config.cold),
         owner="kv-w0-hostC",
         max_payload=CHUNK_BYTES,
         capacity_bytes=8 << 20,
@@ -412,7 +410,7 @@ def test_checking_the_files_costs_little_per_batch(device_dirs: list[Path]) -> N
         runs = 2000
         started = time.perf_counter()
         for _ in range(runs):
-            assert tier._missing_file() is None
+            assert tier.files.missing() is None
         per_check = (time.perf_counter() - started) / runs
     finally:
         tier.close()
@@ -431,7 +429,7 @@ def test_a_damaged_superblock_degrades_and_leaves_the_files(
     """One flipped bit in the superblock: the tier starts degraded, says why
     and what to run, and leaves every byte; with the bit restored the probe
     loads the index and every chunk is served exact."""
-    monkeypatch.setattr(tier_module, "PROBE_S", 0.05)
+    monkeypatch.setattr(health, "PROBE_S", 0.05)
     chunks = Chunks()
     _tier_files(device_dirs, chunks, range(6))
     header = device_dirs[0] / "kv-w0.hdr"
@@ -466,18 +464,18 @@ def test_a_read_error_at_start_up_degrades_and_loses_nothing(
     """Stand-in for a device that fails its first reads (no dm-error here):
     the engine fails every request at start-up. The tier starts degraded
     instead of formatting; once reads work, the probe loads every chunk."""
-    monkeypatch.setattr(tier_module, "PROBE_S", 0.05)
+    monkeypatch.setattr(health, "PROBE_S", 0.05)
     chunks = Chunks()
     _tier_files(device_dirs, chunks, range(6))
     before = digests(*device_dirs)
-    real = tier_module.make_engine
+    real = tierfiles.make_engine
     devices: list[FailingDevice] = []
 
     def failing(*args: Any) -> FailingDevice:
         devices.append(FailingDevice(real(*args)))
         return devices[-1]
 
-    monkeypatch.setattr(tier_module, "make_engine", failing)
+    monkeypatch.setattr(tierfiles, "make_engine", failing)
     tier = open_tier(device_dirs, 16)
     try:
         assert tier.degraded is not None and "Input/output error" in tier.degraded

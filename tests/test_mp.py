@@ -513,7 +513,9 @@ def test_corrupted_record_is_a_miss(
     src = [memory_obj(seed=i) for i in range(3)]
     assert caller.store(keys, src)
     warm = adapter.tiers[0]
-    slot = warm._entries[key_digest(keys[1])].slot
+    entry = warm.index.get(keys[1])
+    assert entry is not None
+    slot = entry.slot
     extent = warm.geometry.extents(slot, CHUNK)[0]
     fd = os.open(os.path.join(warm.paths[extent.device], f"{OWNER}.slab"), os.O_RDWR)
     try:

@@ -152,7 +152,7 @@ def _damage(
     device_dirs: list[Path], tier: Tier, allocator: MixedMemoryAllocator
 ) -> None:
     """A flipped payload byte (key 1), a torn header (key 2), a cut tail."""
-    slots = {e.header.key: e.slot for e in tier._entries.values()}
+    slots = {e.header.key: e.slot for e in tier.index}
     tier.close()
     extent = tier.geometry.extents(slots[key(1)], 64 << 10)[0]
     with open(device_dirs[extent.device] / "kv-w0.slab", "r+b") as f:
@@ -296,7 +296,10 @@ def open_warm(dirs: list[Path], **settings: Any) -> Tier:
     extra.update({f"tiered.{k}": v for k, v in settings.items()})
     config = TieredConfig.from_extra_config(extra)
     return Tier(
-        config.warm, config, owner="kv-w0", max_payload=64 << 10, capacity_bytes=8 << 20
+        config.tier_options(config.warm),
+        owner="kv-w0",
+        max_payload=64 << 10,
+        capacity_bytes=8 << 20,
     )
 
 

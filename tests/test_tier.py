@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -199,18 +200,6 @@ def test_oversized_chunk_is_dropped_not_truncated(
     assert tier.stats.puts_dropped == 1
 
 
-def test_remove_while_reading_frees_slot_once(
-    tier_factory: TierFactory, allocator: MixedMemoryAllocator
-) -> None:
-    tier = tier_factory()
-    tier.write([(key(0), make_obj(allocator, 0))])
-    entries = tier._begin_reads([key(0)])
-    assert tier.remove(key(0))
-    assert entries[0] is not None and entries[0].slot not in tier._free
-    tier._end_reads(entries, [True])
-    assert tier._free.count(entries[0].slot) == 1
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_concurrent_writers_and_readers(
     tier_factory: TierFactory, allocator: MixedMemoryAllocator, engine: str
@@ -259,14 +248,14 @@ def test_concurrent_writers_and_readers(
     assert errors == []
     assert tier.stats.hits > 0
     assert len(tier) <= 12
-    slots = [e.slot for e in tier._entries.values()]
+    slots = [e.slot for e in tier.index]
     assert len(slots) == len(set(slots))
-    assert not set(slots) & set(tier._free)
+    assert not set(slots) & set(tier.index.free_slots)
 
 
 def test_odirect_is_really_used(tier_factory: TierFactory) -> None:
     tier = tier_factory(io_engine="uring")
-    for fd in tier._fds:
+    for fd in tier.files.fds:
         with open(f"/proc/self/fdinfo/{fd}") as f:
             flags = int(
                 next(line for line in f if line.startswith("flags")).split()[1], 8
@@ -284,7 +273,7 @@ def test_direct_io_off_opens_buffered(
     tier_factory: TierFactory, tmp_path: Path
 ) -> None:
     tier = tier_factory(direct_io=False)
-    with open(f"/proc/self/fdinfo/{tier._fds[0]}") as f:
+    with open(f"/proc/self/fdinfo/{tier.files.fds[0]}") as f:
         flags = int(next(line for line in f if line.startswith("flags")).split()[1], 8)
     assert not flags & os.O_DIRECT
 
@@ -306,3 +295,36 @@ def test_evict_only_spares_records_not_copied_elsewhere(
     assert tier.write_payloads([Payload.of(key(3), make_obj(allocator, 3))], []) == [
         False
     ]
+
+
+def test_after_io_hears_the_bytes_each_operation_moved(
+    tier_factory: TierFactory, allocator: MixedMemoryAllocator
+) -> None:
+    """The hook a link model pays its delay in: once per demand read, payload
+    read and payload write, in the caller's thread, after the I/O (a write
+    is visible by then), with the payload bytes moved; misses and keys
+    already stored move none."""
+    tier = tier_factory()
+    caller = threading.get_ident()
+    heard: list[tuple[int, bool]] = []
+
+    def pay(nbytes: int) -> None:
+        assert threading.get_ident() == caller
+        heard.append((nbytes, tier.header(key(0)) is not None))
+        time.sleep(0.05)
+
+    tier.after_io = pay
+    chunk = SHAPE.numel() * 2
+    obj = make_obj(allocator, 0)
+    started = time.perf_counter()
+    assert tier.write([(key(0), obj)]) == [True]
+    assert time.perf_counter() - started >= 0.05  # paid before it returns
+    assert tier.write([(key(0), obj)]) == [True]  # already stored: no I/O
+    (got,) = tier.read([key(0)], reader(allocator))
+    assert got is not None and torch.equal(got.tensor, obj.tensor)
+    assert tier.read([key(1)], reader(allocator)) == [None]
+    (payload,) = tier.read_payloads([key(0)])
+    assert payload is not None
+    assert tier.read_payloads([key(0), key(1)])[1] is None
+    assert [n for n, _ in heard] == [chunk, 0, chunk, 0, chunk, chunk]
+    assert all(visible for _, visible in heard)

@@ -1,10 +1,12 @@
 """Read-only access to one owner's files of a tier, for the operator tools.
 
 A tier directory holds, per owner (``kv-w<worker>``), a header file on the
-first path, one slab per path and a lock file. :class:`TierFiles` opens them
+first path, one slab per path and a lock file, named by
+:class:`lmcache_tiered.layout.TierNames`. :class:`TierFiles` opens them
 without O_DIRECT and without taking the lock, decodes the superblock and
-every header with the same validation as a live tier, and reads payloads
-extent by extent to check their CRC.
+every header with the live tier's own scan and validation
+(:func:`lmcache_tiered.layout.scan_headers`), and reads payloads extent by
+extent to check their CRC.
 
 The files are checked, not trusted: each is opened without blocking and only
 if it is a regular file (a FIFO planted under a tier name would hang the
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
 import os
 import sys
 import time
@@ -24,21 +25,23 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from lmcache_tiered.files import NotRegularFile, open_regular
+from lmcache_tiered.files import NotRegularFile, open_regular, try_lock
 from lmcache_tiered.io import aligned_buffer
-from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.layout import (
     HEADER_SIZE,
     CorruptRecord,
     Geometry,
     RecordHeader,
+    TierNames,
     align_up,
-    decode_header_blocks,
     payload_checksum,
+    scan_headers,
 )
+from lmcache_tiered.layout import newest as newest_records
 
-#: Header bytes read per call while scanning, payload bytes while checking.
-_SCAN_BYTES = 4 << 20
+#: Payload bytes read per call while checking a record.
+_CHECK_BYTES = 4 << 20
 #: The largest slot the tools read: a real chunk is tens of MiB; a superblock
 #: declaring more is damaged or crafted.
 MAX_RECORD_BYTES = 1 << 30
@@ -66,9 +69,9 @@ def owners(path: str, only: str | None = None) -> list[str]:
         names = os.listdir(path)
     except OSError as exc:
         raise ToolError(f"{path}: {exc.strerror}") from None
-    found = sorted(n.removesuffix(".hdr") for n in names if n.endswith(".hdr"))
+    found = sorted(o for n in names if (o := TierNames.owner_of(n)) is not None)
     if not found:
-        raise ToolError(f"{path}: no tier files (*.hdr) here")
+        raise ToolError(f"{path}: no tier files (*{TierNames.HEADER}) here")
     return found
 
 
@@ -101,9 +104,9 @@ class TierFiles:
     def __init__(self, paths: Sequence[str], owner: str, *, writable: bool = False):
         self.paths = list(paths)
         self.owner = owner
-        self.header_name = os.path.join(self.paths[0], f"{owner}.hdr")
-        self.lock_name = os.path.join(self.paths[0], f"{owner}.lock")
-        self.slab_names = [os.path.join(p, f"{owner}.slab") for p in self.paths]
+        names = TierNames(tuple(self.paths), owner)
+        self.header_name, self.lock_name = names.header, names.lock
+        self.slab_names = names.slabs
         self._fds: list[int] = []
         try:
             mode = os.O_RDWR if writable else os.O_RDONLY
@@ -147,13 +150,11 @@ class TierFiles:
     def lock(self) -> None:
         """Take the tier's lock as a live tier does; ToolError if one holds it."""
         fd = self._open(self.lock_name, os.O_RDONLY | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_lock(fd):
             raise ToolError(
                 f"{self.lock_name} is held by a live process "
                 f"(pid {lock_holder(self.lock_name) or '?'}): stop it first"
-            ) from None
+            )
 
     @property
     def disk_bytes(self) -> int:
@@ -164,18 +165,17 @@ class TierFiles:
         """Every non-empty header block, decoded as a live tier would."""
         if self.geometry is None:
             return
-        per_read = _SCAN_BYTES // HEADER_SIZE
-        for first in range(0, self.slots, per_read):
-            count = min(per_read, self.slots - first)
-            data = os.pread(
-                self.header_fd, count * HEADER_SIZE, Geometry.header_offset(first)
-            )
-            max_payload = self.geometry.max_payload
-            for slot, header in decode_header_blocks(data, first, max_payload):
-                if isinstance(header, CorruptRecord):
-                    yield Slot(slot, None, f"header: {header}")
-                else:
-                    yield Slot(slot, header)
+
+        def read(first: int, count: int) -> bytes:
+            offset = Geometry.header_offset(first)
+            return os.pread(self.header_fd, count * HEADER_SIZE, offset)
+
+        found, _ = scan_headers(read, self.slots, self.geometry.max_payload)
+        for slot, header in found:
+            if isinstance(header, CorruptRecord):
+                yield Slot(slot, None, f"header: {header}")
+            else:
+                yield Slot(slot, header)
 
     def read_payload(self, slot: int, header: RecordHeader) -> memoryview:
         """The record's payload, checked; CorruptRecord if short or bad."""
@@ -192,9 +192,9 @@ class TierFiles:
         self, slot: int, header: RecordHeader, into: memoryview | None
     ) -> None:
         """Read the payload in order, into ``into`` or a scratch buffer of at
-        most _SCAN_BYTES, and compare its checksum with the header's."""
+        most _CHECK_BYTES, and compare its checksum with the header's."""
         assert self.geometry is not None
-        scratch = aligned_buffer(_SCAN_BYTES) if into is None else into
+        scratch = aligned_buffer(_CHECK_BYTES) if into is None else into
         crc = 0
         for extent in self.geometry.extents(slot, header.payload_size):
             fd = self.slab_fds[extent.device]
@@ -202,8 +202,8 @@ class TierFiles:
                 raise CorruptRecord(
                     f"payload cut short on {self.slab_names[extent.device]}"
                 )
-            for done in range(0, extent.length, _SCAN_BYTES):
-                length = min(_SCAN_BYTES, extent.length - done)
+            for done in range(0, extent.length, _CHECK_BYTES):
+                length = min(_CHECK_BYTES, extent.length - done)
                 start = 0 if into is None else extent.start + done
                 view = scratch[start : start + length]
                 if os.preadv(fd, [view], extent.offset + done) != length:
@@ -232,16 +232,13 @@ class TierFiles:
 
 def newest(slots: Sequence[Slot]) -> tuple[dict[bytes, Slot], list[Slot]]:
     """The record a live tier serves per key (highest sequence), and the
-    stale older copies it ignores."""
-    live: dict[bytes, Slot] = {}
-    stale: list[Slot] = []
-    records = [(s.header, s) for s in slots if s.header is not None]
-    for header, slot in sorted(records, key=lambda r: r[0].sequence):
-        digest = key_digest(header.key)
-        if digest in live:
-            stale.append(live[digest])
-        live[digest] = slot
-    return live, stale
+    stale older copies it ignores (see :func:`lmcache_tiered.layout.newest`)."""
+
+    def header(slot: Slot) -> RecordHeader:
+        assert slot.header is not None
+        return slot.header
+
+    return newest_records([s for s in slots if s.header is not None], header)
 
 
 def group_of(key: StoreKey) -> str:

@@ -31,17 +31,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
-from lmcache_tiered.files import open_regular, unprintable
+from lmcache_tiered.files import unprintable
 from lmcache_tiered.keys import StoreKey, key_digest, key_from_string
-from lmcache_tiered.layout import HEADER_SIZE, CorruptRecord, Geometry, align_up
+from lmcache_tiered.layout import (
+    CorruptRecord,
+    Geometry,
+    TierNames,
+    align_up,
+    read_superblock,
+)
 from lmcache_tiered.ops.records import Slot, TierFiles, ToolError, newest, owners
-from lmcache_tiered.tier import Payload, Tier
+from lmcache_tiered.payload import Payload
+from lmcache_tiered.tier import Tier
 from lmcache_tiered.warmup.hints import send_hint
 
 #: records copied per write batch
@@ -158,11 +164,7 @@ def _copy_owner(
                     print(f"{source.header_name}: slot {slot.index}: {exc}")
                     bad += 1
                     continue
-                payloads.append(
-                    Payload(
-                        header.key, header.shape, header.dtype, header.fmt, view, True
-                    )
-                )
+                payloads.append(Payload.read_back(header, view))
             stored = target.write_payloads(payloads)
             copied += sum(stored)
             dropped += stored.count(False)
@@ -178,7 +180,7 @@ def _copy_owner(
 
 def _open_target(args: argparse.Namespace, owner: str, source: Geometry) -> Tier:
     """The target tier as a live one would open it, never reformatted."""
-    recorded = _recorded_geometry(os.path.join(args.target[0], f"{owner}.hdr"))
+    recorded = _recorded_geometry(TierNames((args.target[0],), owner).header)
     max_payload = (recorded or source).max_payload
     extra = {
         "tiered.warm.paths": args.target,
@@ -198,8 +200,7 @@ def _open_target(args: argparse.Namespace, owner: str, source: Geometry) -> Tier
                 f"would be {planned}: pass the server's --stripe-kb"
             )
         return Tier(
-            config.warm,
-            config,
+            config.tier_options(config.warm),
             owner=owner,
             max_payload=max_payload,
             capacity_bytes=int(args.capacity_gb * GIB),
@@ -210,17 +211,11 @@ def _open_target(args: argparse.Namespace, owner: str, source: Geometry) -> Tier
 
 def _recorded_geometry(header_name: str) -> Geometry | None:
     try:
-        fd = open_regular(header_name, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
+        return read_superblock(header_name)
     except OSError as exc:  # a link, a FIFO...: the target refuses it too
         raise ToolError(
             f"{header_name}: {exc.strerror}" if exc.strerror else str(exc)
         ) from None
-    try:
-        return Geometry.decode_superblock(os.pread(fd, HEADER_SIZE, 0))
-    finally:
-        os.close(fd)
 
 
 def _read_keys(path: str) -> list[StoreKey]:

@@ -46,7 +46,8 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache_tiered._lmcache import watch_first_pin
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
-from lmcache_tiered.tier import Payload, Tier
+from lmcache_tiered.payload import Payload
+from lmcache_tiered.tier import Tier
 from lmcache_tiered.warmup.base import (
     TIER_RANK,
     CacheView,
