@@ -1,7 +1,7 @@
 """A remote storage link modelled on a local disk: bandwidth and latency in
 production units, paid after each real read and write of a tier.
 
-May touch: the ``Tier`` instances it is given (their I/O entry points) and
+May touch: the ``after_io`` hook of the ``Tier`` instances it is given and
 the clock (it sleeps); nothing else.
 """
 
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from lmcache_tiered.tier import Tier
 
@@ -52,35 +50,10 @@ class LinkModel:
 
 def emulate_link(tier: Tier, link: LinkModel, clock: float) -> None:
     """Make ``tier`` remote: every read and write of it pays the link model
-    after the real I/O, for the bytes it moved.
+    after the real I/O, for the payload bytes it moved (:attr:`Tier.after_io`)."""
 
-    Wraps the instance's I/O entry points (demand reads into MemoryObjs,
-    payload reads for copies between tiers, payload writes, which ``write``
-    goes through) until Tier has a hook for it.
-    """
+    def pay(nbytes: int) -> None:
+        if nbytes:
+            time.sleep(link.delay_s(nbytes, clock))
 
-    def over_link(
-        io: Callable[..., list[Any]], moved: Callable[[Any, list[Any]], int]
-    ) -> Callable[..., list[Any]]:
-        def paid(*args: Any, **kwargs: Any) -> list[Any]:
-            results = io(*args, **kwargs)
-            nbytes = moved(args[0], results)
-            if nbytes:
-                time.sleep(link.delay_s(nbytes, clock))
-            return results
-
-        return paid
-
-    def read_bytes(_: Any, objs: list[Any]) -> int:
-        return sum(o.get_size() for o in objs if o is not None)
-
-    def payload_bytes(_: Any, payloads: list[Any]) -> int:
-        return sum(len(p.view) for p in payloads if p is not None)
-
-    def written_bytes(payloads: Sequence[Any], stored: list[bool]) -> int:
-        return sum(len(p.view) for p, ok in zip(payloads, stored, strict=True) if ok)
-
-    # instance attributes shadow the methods (B010: setattr is what mypy allows)
-    setattr(tier, "read", over_link(tier.read, read_bytes))  # noqa: B010
-    setattr(tier, "read_payloads", over_link(tier.read_payloads, payload_bytes))  # noqa: B010
-    setattr(tier, "write_payloads", over_link(tier.write_payloads, written_bytes))  # noqa: B010
+    tier.after_io = pay

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from lmcache_tiered.bench import report
 from lmcache_tiered.bench.baseline import GpuPrefixCache
 from lmcache_tiered.bench.report import RequestRecord
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.testing import CPUConnector
 from lmcache_tiered.vllm_plugin import HintForwarder
 
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
@@ -62,20 +63,12 @@ class GpuCopies:
         self.measured_s = 0.0
         self.modelled_s = 0.0
         connector = engine.gpu_connector
-        for name in ("batched_to_gpu", "batched_from_gpu"):
-            setattr(connector, name, self._timed(getattr(connector, name)))
+        assert isinstance(connector, CPUConnector)
+        connector.after_copy = self._copied
 
-    def _timed(self, copy: Callable[..., None]) -> Callable[..., None]:
-        def timed_copy(
-            memory_objs: Any, starts: list[int], ends: list[int], **kwargs: Any
-        ) -> None:
-            began = time.perf_counter()
-            copy(memory_objs, starts, ends, **kwargs)
-            self.measured_s += time.perf_counter() - began
-            nbytes = (sum(ends) - sum(starts)) * self.bytes_per_token
-            self.modelled_s += nbytes / self.pcie_bytes_per_s
-
-        return timed_copy
+    def _copied(self, seconds: float, tokens: int) -> None:
+        self.measured_s += seconds
+        self.modelled_s += tokens * self.bytes_per_token / self.pcie_bytes_per_s
 
 
 @dataclass(slots=True)

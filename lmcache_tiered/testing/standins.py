@@ -28,6 +28,8 @@ modules under ``inprocess/v1/`` unchanged (see :mod:`lmcache_tiered._lmcache`).
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +61,9 @@ class CPUConnector(GPUConnectorInterface):
         self.head_size = head_size
         self.dtype = dtype
         self.kvcaches: torch.Tensor | None = None
+        #: called after each batched copy with (seconds it took, tokens it
+        #: moved): the bench charges the modelled PCIe link instead
+        self.after_copy: Callable[[float, int], None] | None = None
 
     def _kv(self, kwargs: dict[str, Any]) -> torch.Tensor:
         kv = kwargs.get("kvcaches")
@@ -113,9 +118,11 @@ class CPUConnector(GPUConnectorInterface):
         **kwargs: Any,
     ) -> None:
         """Per-chunk ``from_gpu``."""
+        began = time.perf_counter()
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             assert isinstance(obj, MemoryObj), "layerwise lists are not supported"
             self.from_gpu(obj, start, end, **kwargs)
+        self._copied(began, starts, ends)
 
     def batched_to_gpu(
         self,
@@ -126,9 +133,15 @@ class CPUConnector(GPUConnectorInterface):
     ) -> None:
         """Per-chunk ``to_gpu``."""
         assert memory_objs is not None and starts is not None and ends is not None
+        began = time.perf_counter()
         for obj, start, end in zip(memory_objs, starts, ends, strict=True):
             assert isinstance(obj, MemoryObj), "layerwise lists are not supported"
             self.to_gpu(obj, start, end, **kwargs)
+        self._copied(began, starts, ends)
+
+    def _copied(self, began: float, starts: list[int], ends: list[int]) -> None:
+        if self.after_copy is not None:
+            self.after_copy(time.perf_counter() - began, sum(ends) - sum(starts))
 
     def get_shape(self, num_tokens: int) -> torch.Size:
         """Shape of a KV_2LTD MemoryObj holding ``num_tokens`` tokens."""
