@@ -297,14 +297,19 @@ def build_l2_adapter(spec: str) -> Any:
     LMCache refuses; the adapter's own errors (an unreachable S3 endpoint,
     a missing client library) as raised."""
     import argparse
+    import warnings
 
-    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
-    from lmcache.v1.distributed.l2_adapters.config import (
-        parse_args_to_l2_adapters_config,
-    )
+    with warnings.catch_warnings():
+        # the factory imports the clients of all adapter types (google-cloud
+        # among them), whose FutureWarnings are about Python versions
+        warnings.simplefilter("ignore", FutureWarning)
+        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+        from lmcache.v1.distributed.l2_adapters.config import (
+            parse_args_to_l2_adapters_config,
+        )
 
-    parsed = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
-    return create_l2_adapter(parsed.adapters[0], None)
+        parsed = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
+        return create_l2_adapter(parsed.adapters[0], None)
 
 
 def flat_memory_obj(data: torch.Tensor) -> TensorMemoryObj:
