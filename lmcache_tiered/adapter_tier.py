@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -132,7 +133,10 @@ class AdapterTier:
         self._stores_done: dict[int, Any] = {}
         self._probe_key = _object_key(
             hashlib.blake2b(
-                f"probe@{settings.host_id}".encode(), digest_size=DIGEST_SIZE
+                # one per process (deleted at close): two processes probing
+                # one object could see each other's writes as a failed check
+                f"probe@{settings.host_id}@{os.getpid()}".encode(),
+                digest_size=DIGEST_SIZE,
             ).digest(),
             _PAYLOAD,
         )
@@ -513,7 +517,9 @@ class AdapterTier:
         self._prober.join(TIMEOUT_S * 3)
         adapter, self._adapter = self._adapter, None
         if adapter is not None:
-            _close_later(adapter).join(TIMEOUT_S)
+            # our probe object goes with us, unless the store is unreachable
+            probe = [self._probe_key] if self.degraded is None else []
+            _close_later(adapter, delete_first=probe).join(TIMEOUT_S)
 
 
 def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
@@ -523,11 +529,19 @@ def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
         logger.exception("lmcache_tiered: store delete failed")
 
 
-def _close_later(adapter: L2AdapterInterface) -> threading.Thread:
-    """Close ``adapter`` on a daemon thread: a client stuck on a hung store
-    may never return from it."""
+def _close_later(
+    adapter: L2AdapterInterface, delete_first: list[ObjectKey] | None = None
+) -> threading.Thread:
+    """Close ``adapter`` (after deleting ``delete_first``) on a daemon thread:
+    a client stuck on a hung store may never return from either."""
+
+    def close() -> None:
+        if delete_first:
+            _delete(adapter, delete_first)
+        adapter.close()
+
     thread = threading.Thread(
-        target=adapter.close, name="lmcache-tiered-store-close", daemon=True
+        target=close, name="lmcache-tiered-store-close", daemon=True
     )
     thread.start()
     return thread

@@ -369,11 +369,15 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
 
 
 def test_bench_runs_against_the_real_store_and_leaves_it_empty(
-    tmp_path: Path, redis: Redis, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    redis: Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``bench --cold-adapter``: no CPU tier, a warm tier of 3 chunks, two
     prompts of 12: A's chunks go to Redis and A's follow-up turns are served
-    from it; each variant deletes what it stored."""
+    from it; each variant deletes what it stored, its probe object too."""
+    monkeypatch.setattr(adapter_tier, "PROBE_S", 0.1)  # probes surely ran
     warm = tmp_path / "warm"
     warm.mkdir()
     chunk = 256 * 128  # tokens x KV bytes per token of SMALL
