@@ -31,9 +31,10 @@ into cache calls:
   once its chunks are written (payload, then header); a cold hit is copied
   out of the caller's buffer before the load is reported, for its copy to
   warm.
-* Work runs on three threads (store, lookup/unlock, load), so a long store
-  batch never delays a lookup or a load; each thread takes every task queued
-  so far as one cache call, so one call's I/O keeps all devices busy. A
+* Work runs on three threads (store, lookup/unlock, load:
+  :class:`lmcache_tiered.writer.BatchWorker`), so a long store batch never
+  delays a lookup or a load; each thread takes every task queued so far as
+  one cache call, so one call's I/O keeps all devices busy. A
   thread signals the operation's event fd once the results it produced are
   queryable; ``submit_*`` calls only queue.
 * Lookup-and-lock pins each chunk found in the tier that holds it (a pinned
@@ -57,12 +58,11 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import queue
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 from lmcache.lmcache_native import Bitmap
@@ -92,6 +92,7 @@ from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.layout import HEADER_SIZE, Geometry
 from lmcache_tiered.tier import Payload, Tier
+from lmcache_tiered.writer import BatchWorker
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -193,45 +194,6 @@ class _Touch:
 
 #: what the lookup thread runs, in the order submitted
 _LookupJob = _Task | _Unlock | _Touch
-_Job = TypeVar("_Job")
-
-
-class _Worker(Generic[_Job]):
-    """A thread that hands every job queued so far to ``handle`` as one batch.
-
-    ``stop`` lets it finish what is queued, so no accepted task is left
-    without a result.
-    """
-
-    def __init__(self, name: str, handle: Callable[[list[_Job]], None]) -> None:
-        self._handle = handle
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, job: _Job) -> None:
-        self._queue.put(job)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            jobs = [self._queue.get()]
-            while not self._queue.empty():
-                jobs.append(self._queue.get())
-            batch = [job for job in jobs if job is not None]
-            if batch:
-                try:
-                    self._handle(batch)
-                except Exception:  # the handlers publish their own failures
-                    logger.exception("lmcache_tiered: %s failed", self._thread.name)
-            if len(batch) < len(jobs):
-                return
 
 
 def _rows(keys: Sequence[ObjectKey]) -> list[range]:
@@ -298,13 +260,15 @@ class TieredL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
-        self._stores_worker = _Worker[_Task](
+        self._stores_worker = BatchWorker[_Task](
             "lmcache-tiered-l2-store", self._run_stores
         )
-        self._lookups_worker = _Worker[_LookupJob](
+        self._lookups_worker = BatchWorker[_LookupJob](
             "lmcache-tiered-l2-lookup", self._run_lookups
         )
-        self._loads_worker = _Worker[_Task]("lmcache-tiered-l2-load", self._run_loads)
+        self._loads_worker = BatchWorker[_Task](
+            "lmcache-tiered-l2-load", self._run_loads
+        )
         if settings.hint_port >= 0:
             logger.warning(
                 "lmcache_tiered: warmup.hint_port is ignored by TieredL2Adapter: "
@@ -410,7 +374,7 @@ class TieredL2Adapter(L2AdapterInterface):
 
     def _submit(
         self,
-        worker: _Worker[_Task] | _Worker[_LookupJob],
+        worker: BatchWorker[_Task] | BatchWorker[_LookupJob],
         keys: list[ObjectKey],
         objects: list[MemoryObj],
     ) -> L2TaskId:
@@ -687,7 +651,7 @@ class TieredL2Adapter(L2AdapterInterface):
             "warmup": counters.get("warmup"),
         }
 
-    def _all_workers(self) -> list[_Worker[_Task] | _Worker[_LookupJob]]:
+    def _all_workers(self) -> list[BatchWorker[_Task] | BatchWorker[_LookupJob]]:
         return [self._stores_worker, self._lookups_worker, self._loads_worker]
 
     def close(self) -> None:
