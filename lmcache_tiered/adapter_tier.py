@@ -92,6 +92,10 @@ class StoreEngine:
     name: str
     supports_fixed_buffers: bool = False
 
+    def register_buffers(self, regions: Sequence[memoryview]) -> bool:
+        """A store takes no fixed buffers (reads land in buffers of ours)."""
+        return False
+
 
 def _object_key(digest: bytes, group: int) -> ObjectKey:
     return ObjectKey(
@@ -104,13 +108,12 @@ class _Broken(Exception):
 
 
 class AdapterTier:
-    """The cold tier over an LMCache L2 adapter, with the surface of
-    :class:`lmcache_tiered.tier.Tier` that the cache, the promoter and the
-    adapters use (see the module docstring for what differs)."""
+    """The cold tier over an LMCache L2 adapter: a
+    :class:`lmcache_tiered.tier_protocol.StorageTier` (see the module
+    docstring for what differs from a file tier)."""
 
     name = "cold"
     paths: tuple[str, ...] = ()
-    read_only = False
     direct_io = False
 
     def __init__(self, settings: TieredConfig, *, max_payload: int) -> None:
@@ -121,8 +124,6 @@ class AdapterTier:
         self.max_payload = max_payload
         self.stats = TierStats()
         self.degraded: str | None = None
-        #: never called: the store evicts on its own
-        self.on_evict: Callable[[list[StoreKey]], None] | None = None
         self._index: OrderedDict[bytes, RecordHeader] = OrderedDict()
         self._lock = threading.Lock()
         self._failures = 0
@@ -196,9 +197,6 @@ class AdapterTier:
                 target=_delete, args=(adapter, objects), daemon=True
             ).start()
         return gone
-
-    def victims(self, count: int) -> list[StoreKey]:
-        return []
 
     @property
     def used_bytes(self) -> int:

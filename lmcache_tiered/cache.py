@@ -20,7 +20,8 @@ composes:
   plans run on the promoter thread (:mod:`lmcache_tiered.warmup.promoter`),
   after demand reads.
 
-May touch: the tiers, LMCache's CPU tier (lookups only; the promoter and reader use it), the policy,
+May touch: the tiers (through :class:`lmcache_tiered.tier_protocol.StorageTier`),
+LMCache's CPU tier (lookups only; the promoter and reader use it), the policy,
 and the owner's ``on_change`` hook. It never does I/O itself.
 
 Durability point: a put is *acknowledged* when the writer has written its
@@ -46,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, cast
+from typing import Any
 
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -59,6 +60,7 @@ from lmcache_tiered.layout import RecordHeader
 from lmcache_tiered.reads import DemandReader
 from lmcache_tiered.shared import SharedCold
 from lmcache_tiered.tier import Allocator, Payload, Tier
+from lmcache_tiered.tier_protocol import StorageTier
 from lmcache_tiered.warmup import CacheView, load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
 from lmcache_tiered.warmup.chains import ChainIndex
@@ -133,7 +135,7 @@ class TieredCache:
         #: production; a replay that runs N x faster than the server it models
         #: sets N, so policies' time settings keep their production meaning
         self.time_scale = 1.0
-        self.tiers: dict[TierName, Tier] = {}
+        self.tiers: dict[TierName, StorageTier] = {}
         try:
             levels: list[tuple[TierName, TierSettings | None]] = [
                 ("warm", settings.warm),
@@ -153,23 +155,25 @@ class TieredCache:
                 )
                 self.tiers[name] = tier
                 tier.on_evict = self._evicted_from(name)
-            #: the cold tier on a store (tiered.cold.adapter), if configured
-            self.store_tier: AdapterTier | None = None
+                if name == "warm":
+                    #: always files: the store asks for its victims, the L2
+                    #: adapter for its geometry
+                    self.warm = tier
             if settings.cold_adapter is not None:
-                self.store_tier = AdapterTier(settings, max_payload=max_payload)
-                # it has the surface of a Tier the cache and promoter use
-                self.tiers["cold"] = cast(Tier, self.store_tier)
+                # the cold tier on a store: it evicts on its own
+                self.tiers["cold"] = AdapterTier(settings, max_payload=max_payload)
             self.chains = ChainIndex()
             self.policy = self._load_policy()
             # last: its thread must not outlive a constructor that failed
+            cold = self.tiers.get("cold")
             self.shared = SharedCold(
-                None if self.store_tier is not None else self.tiers.get("cold"),
+                cold if isinstance(cold, Tier) else None,
                 settings,
                 max_payload=max_payload,
             )
         except BaseException:
-            for tier in self.tiers.values():
-                tier.close()
+            for opened in self.tiers.values():
+                opened.close()
             raise
         self._lock = threading.Lock()
         self._store_lock = threading.Lock()
@@ -213,10 +217,6 @@ class TieredCache:
                     name,
                 )
         return load_configured_policy(self.settings, self)
-
-    @property
-    def warm(self) -> Tier:
-        return self.tiers["warm"]
 
     # ------------------------------------------------------------- CacheView
 
@@ -297,9 +297,9 @@ class TieredCache:
         misses and are left alone. The policy sees the whole lookup, with the
         leading run of hits as the prefix found: lookups are its signal."""
         held = [False] * len(keys)
-        if self.store_tier is not None:
+        if isinstance(cold := self.tiers.get("cold"), AdapterTier):
             # chunks other hosts or processes put in the store: one round trip
-            self.store_tier.discover([k for k in keys if self.warm.header(k) is None])
+            cold.discover([k for k in keys if self.warm.header(k) is None])
         by_tier: dict[TierName, list[StoreKey]] = {}
         for i, key in enumerate(keys):
             tier = self.tier_of(key)
@@ -361,7 +361,7 @@ class TieredCache:
         :meth:`lmcache_tiered.reads.DemandReader.read`)."""
         return self.reader.read(keys, into)
 
-    def _read_order(self) -> list[tuple[TierName, Tier]]:
+    def _read_order(self) -> list[tuple[TierName, StorageTier]]:
         """Our tiers, then the other hosts' files in a shared cold tier."""
         return [*self.tiers.items(), *(("cold", t) for t in self.shared.tiers())]
 
@@ -443,7 +443,7 @@ class TieredCache:
         self._changed([p.key for p in payloads])
         return stored
 
-    def _demote(self, victims: list[StoreKey], cold: Tier) -> None:
+    def _demote(self, victims: list[StoreKey], cold: StorageTier) -> None:
         """Copy warm's next victims to cold before they are overwritten."""
         missing = [k for k in victims if cold.header(k) is None]
         if missing:

@@ -91,7 +91,8 @@ from lmcache_tiered.cache import EmptyView, TieredCache, load_configured_policy
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.layout import HEADER_SIZE, Geometry
-from lmcache_tiered.tier import Payload, Tier
+from lmcache_tiered.tier import Payload
+from lmcache_tiered.tier_protocol import StorageTier
 from lmcache_tiered.writer import BatchWorker
 
 logger = logging.getLogger("lmcache_tiered")
@@ -289,7 +290,7 @@ class TieredL2Adapter(L2AdapterInterface):
     # ---------------------------------------------------------------- tiers
 
     @property
-    def tiers(self) -> list[Tier]:
+    def tiers(self) -> list[StorageTier]:
         """Our tiers, warm first; empty until the slot size is known."""
         cache = self.cache
         return [] if cache is None else list(cache.tiers.values())

@@ -26,7 +26,8 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.tier import Allocator, Tier
+from lmcache_tiered.tier import Allocator
+from lmcache_tiered.tier_protocol import StorageTier
 from lmcache_tiered.warmup.base import TierName
 from lmcache_tiered.warmup.promoter import Promoter
 from lmcache_tiered.writer import Writer
@@ -36,7 +37,7 @@ from lmcache_tiered.writer import Writer
 READ_THREADS = 4
 
 #: The tiers a read may use, in the order a key is looked for.
-ReadOrder = Callable[[], list[tuple[TierName, Tier]]]
+ReadOrder = Callable[[], list[tuple[TierName, StorageTier]]]
 
 
 class DemandReader:
@@ -164,7 +165,7 @@ class DemandReader:
 
     def _read_tier(
         self,
-        tier_entry: tuple[TierName, Tier],
+        tier_entry: tuple[TierName, StorageTier],
         keys: Sequence[StoreKey],
         missing: list[int],
         into: Sequence[MemoryObj | None] | None,
