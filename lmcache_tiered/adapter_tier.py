@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,8 @@ DEGRADE_AFTER = 3
 MAX_INDEX = 1 << 18
 #: The model name of our objects in the store (their namespace).
 NAMESPACE = "lmcache-tiered"
-_PAYLOAD, _HEADER = 0, 1
+#: Object groups of a chunk's two objects in the store.
+PAYLOAD_GROUP, HEADER_GROUP = 0, 1
 #: Seconds between polls of an operation's result.
 _POLL_S = 0.0005
 
@@ -98,9 +99,36 @@ class StoreEngine:
 
 
 def _object_key(digest: bytes, group: int) -> ObjectKey:
+    """The store's name of one object of the chunk with key digest ``digest``."""
     return ObjectKey(
         chunk_hash=digest, model_name=NAMESPACE, kv_rank=0, object_group_id=group
     )
+
+
+def probe_key(host_id: str) -> ObjectKey:
+    """The object the prober of host ``host_id`` writes and reads back."""
+    digest = hashlib.blake2b(f"probe@{host_id}".encode(), digest_size=DIGEST_SIZE)
+    return _object_key(digest.digest(), PAYLOAD_GROUP)
+
+
+def build_adapter(spec: Mapping[str, Any]) -> L2AdapterInterface:
+    """The adapter ``spec`` (``tiered.cold.adapter``) describes, built by
+    LMCache; ConfigError naming the setting for a spec LMCache refuses."""
+    try:
+        return build_l2_adapter(json.dumps(spec))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{PREFIX}cold.adapter: {exc}") from None
+
+
+def answer(query: Callable[[], Any], timeout: float) -> Any:
+    """Poll ``query`` until it answers (not None), for at most ``timeout``
+    seconds; None if it never did."""
+    deadline = time.monotonic() + timeout
+    while (result := query()) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(_POLL_S)
+    return result
 
 
 class _Broken(Exception):
@@ -131,24 +159,13 @@ class AdapterTier:
         #: buffers of operations that never finished, kept for the adapter
         self._abandoned: list[Any] = []
         self._stores_done: dict[int, Any] = {}
-        self._probe_key = _object_key(
-            hashlib.blake2b(
-                f"probe@{settings.host_id}".encode(), digest_size=DIGEST_SIZE
-            ).digest(),
-            _PAYLOAD,
-        )
-        self._adapter: L2AdapterInterface | None = self._build()
+        self._probe_key = probe_key(settings.host_id)
+        self._adapter: L2AdapterInterface | None = build_adapter(spec)
         self._stop = threading.Event()
         self._prober = threading.Thread(
             target=self._probe_loop, name="lmcache-tiered-store-probe", daemon=True
         )
         self._prober.start()
-
-    def _build(self) -> L2AdapterInterface:
-        try:
-            return build_l2_adapter(json.dumps(self.spec))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ConfigError(f"{PREFIX}cold.adapter: {exc}") from None
 
     # ----------------------------------------------------------------- index
 
@@ -192,7 +209,10 @@ class AdapterTier:
         if gone and adapter is not None:
             # header first, so the chunk is invisible before its payload goes;
             # on a thread of its own: LMCache's native adapters block up to 30 s
-            objects = [_object_key(digest, _HEADER), _object_key(digest, _PAYLOAD)]
+            objects = [
+                _object_key(digest, HEADER_GROUP),
+                _object_key(digest, PAYLOAD_GROUP),
+            ]
             threading.Thread(
                 target=_delete, args=(adapter, objects), daemon=True
             ).start()
@@ -227,7 +247,7 @@ class AdapterTier:
             return
         digests = list(wanted)
         buffers = [torch.empty(HEADER_SIZE, dtype=torch.uint8) for _ in digests]
-        ok = self._load([_object_key(d, _HEADER) for d in digests], buffers)
+        ok = self._load([_object_key(d, HEADER_GROUP) for d in digests], buffers)
         found = []
         for digest, buffer, good in zip(digests, buffers, ok, strict=True):
             if not good:
@@ -296,7 +316,7 @@ class AdapterTier:
             buffers.append(torch.empty(header.payload_size, dtype=torch.uint8))
         started = time.perf_counter()
         ok = self._load(
-            [_object_key(key_digest(keys[i]), _PAYLOAD) for i in index], buffers
+            [_object_key(key_digest(keys[i]), PAYLOAD_GROUP) for i in index], buffers
         )
         self.stats.read_latency.observe(time.perf_counter() - started)
         lost = []
@@ -358,8 +378,8 @@ class AdapterTier:
             torch.frombuffer(bytearray(h.encode()), dtype=torch.uint8) for h in headers
         ]
         if not (
-            self._store([_object_key(d, _PAYLOAD) for d in digests], bodies)
-            and self._store([_object_key(d, _HEADER) for d in digests], blocks)
+            self._store([_object_key(d, PAYLOAD_GROUP) for d in digests], bodies)
+            and self._store([_object_key(d, HEADER_GROUP) for d in digests], blocks)
         ):
             self.stats.puts_dropped += len(todo)
             self.stats.io_errors += 1
@@ -440,12 +460,10 @@ class AdapterTier:
     def _wait(self, query: Callable[[], Any], objs: list[TensorMemoryObj]) -> Any:
         """Poll ``query`` until it answers; after :data:`TIMEOUT_S` keep the
         operation's buffers for good and raise _Broken."""
-        deadline = time.monotonic() + TIMEOUT_S
-        while (result := query()) is None:
-            if time.monotonic() > deadline:
-                self._abandoned.append(objs)
-                raise _Broken(f"an operation took over {TIMEOUT_S:.0f} s")
-            time.sleep(_POLL_S)
+        result = answer(query, TIMEOUT_S)
+        if result is None:
+            self._abandoned.append(objs)
+            raise _Broken(f"an operation took over {TIMEOUT_S:.0f} s")
         return result
 
     def _failed(self) -> None:
@@ -469,7 +487,7 @@ class AdapterTier:
             PROBE_S,
         )
         if adapter is not None:
-            _close_later(adapter)
+            close_later(adapter)
 
     def _probe(self) -> bool:
         """A small write and read of our own probe object."""
@@ -488,7 +506,7 @@ class AdapterTier:
                     self._degrade("the store failed a check")
                 continue
             try:
-                adapter = self._build()
+                adapter = build_adapter(self.spec)
             except Exception as exc:
                 logger.debug("lmcache_tiered: cold store not back: %s", exc)
                 continue
@@ -505,7 +523,7 @@ class AdapterTier:
         self._prober.join(TIMEOUT_S * 3)
         adapter, self._adapter = self._adapter, None
         if adapter is not None:
-            _close_later(adapter).join(TIMEOUT_S)
+            close_later(adapter).join(TIMEOUT_S)
 
 
 def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
@@ -515,7 +533,7 @@ def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
         logger.exception("lmcache_tiered: store delete failed")
 
 
-def _close_later(adapter: L2AdapterInterface) -> threading.Thread:
+def close_later(adapter: L2AdapterInterface) -> threading.Thread:
     """Close ``adapter`` on a daemon thread: a client stuck on a hung store
     may never return from it."""
     thread = threading.Thread(
