@@ -5,8 +5,8 @@ NVMe: striped, O_DIRECT, its own index and eviction) and
 :class:`lmcache_tiered.adapter_tier.AdapterTier` (a cold tier on a store
 behind one of LMCache's L2 adapters: Redis, S3, ...). The cache, the demand
 reader, the promoter and the two LMCache front ends (the in-process plugin's
-status line, the L2 adapter's status and key listing) use a tier only
-through :class:`StorageTier`; mypy checks both classes against it where
+ready line, the L2 adapter's ready line and status) use a tier only through
+:class:`StorageTier`; mypy checks both classes against it where
 :class:`lmcache_tiered.cache.TieredCache` puts them in its ``tiers``. What
 only one kind has (a file tier's victims, geometry and eviction hook, a
 store's discovery of other hosts' chunks) is asked of that class by name.
