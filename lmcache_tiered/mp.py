@@ -50,12 +50,12 @@ into cache calls:
 * LMCache's listeners and usage counters see a chunk as stored while some
   tier of ours holds it: a demotion to cold is no deletion, a chunk that
   leaves its last tier (eviction, bad record, ``delete``) is one. Each chunk
-  is charged one warm slot on disk.
+  is charged one warm slot on disk. That record, and the key listing, are
+  :class:`lmcache_tiered.l2_ledger.L2Ledger`'s, the adapter's base class.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import re
@@ -67,17 +67,14 @@ from typing import Any
 import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import (
-    KeyEntry,
-    KeyListPage,
     MemoryLayoutDesc,
     ObjectKey,
 )
 from lmcache.v1.distributed.internal_api import (
     L1MemoryDesc,
-    L2AdapterListener,
     L2StoreResult,
 )
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import (
     MemoryObj,
@@ -86,10 +83,10 @@ from lmcache.v1.memory_management import (
 )
 from lmcache.v1.platform import create_event_notifier
 
-from lmcache_tiered._lmcache import l2_memory_tags, seed_l2_usage
+from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.cache import EmptyView, TieredCache, load_configured_policy
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
-from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.l2_ledger import L2Ledger
 from lmcache_tiered.layout import HEADER_SIZE, Geometry
 from lmcache_tiered.tier import Payload
 from lmcache_tiered.tier_protocol import StorageTier
@@ -222,7 +219,7 @@ def capacity_bytes(settings: TieredConfig) -> int:
     return max(warm, cold) if settings.cold_write_through else warm + cold
 
 
-class TieredL2Adapter(L2AdapterInterface):
+class TieredL2Adapter(L2Ledger):
     """A :class:`TieredCache` behind LMCache's ``L2AdapterInterface``.
 
     LMCache's plugin factory calls ``TieredL2Adapter(config, l1_memory_desc=)``
@@ -243,12 +240,7 @@ class TieredL2Adapter(L2AdapterInterface):
         self.settings = settings
         self._l1_memory_desc = l1_memory_desc
         #: None until the slot size is known (see _open_cache)
-        self.cache: TieredCache | None = None
-        #: the chunks LMCache's listeners last heard of as stored, by digest
-        self._in_l2: dict[bytes, ObjectKey] = {}
-        self._in_l2_lock = threading.Lock()
-        #: bytes each chunk counts for in LMCache's usage: one warm slot on disk
-        self._charge = 0
+        self.cache = None
         slot = settings.slot_bytes or recorded_slot_bytes(settings.warm.paths[0])
         if slot is not None:
             self._open_cache(slot)
@@ -308,40 +300,8 @@ class TieredL2Adapter(L2AdapterInterface):
         if desc is not None and desc.stable_registration_size:
             # LMCache says the L1 arena stays put: fixed buffers for loads
             cache.register_memory(desc.ptr, desc.stable_registration_size)
-        self._charge = charge = cache.warm.geometry.slot_disk_bytes
-        recovered = [k for k in cache.stored_keys() if isinstance(k, ObjectKey)]
-        with self._in_l2_lock:
-            for key in recovered:
-                self._in_l2[key_digest(key)] = key
-            seed_l2_usage(self, [key.cache_salt for key in recovered], charge)
-        cache.on_change = lambda keys: self._reconcile(cache, keys)
+        self._follow(cache)
         self.cache = cache
-
-    def _reconcile(self, cache: TieredCache, keys: Sequence[StoreKey]) -> None:
-        """Tell LMCache's listeners and usage counters which of ``keys``
-        entered or left L2. A chunk is in L2 while some tier of ours holds it:
-        a warm victim demoted to cold is not deleted, nor is a cold victim
-        warm still holds; one that leaves its last tier (eviction, bad
-        record, ``delete``) is. The cache calls this after every such change;
-        one lock makes listeners hear stored and deleted in turn for each
-        chunk, whichever threads changed it."""
-        stored: list[ObjectKey] = []
-        deleted: list[ObjectKey] = []
-        with self._in_l2_lock:
-            for key in keys:
-                if not isinstance(key, ObjectKey):
-                    continue
-                digest = key_digest(key)
-                if cache.holds(key):
-                    if digest not in self._in_l2:
-                        self._in_l2[digest] = key
-                        stored.append(key)
-                elif self._in_l2.pop(digest, None) is not None:
-                    deleted.append(key)
-            if stored:
-                self._notify_keys_stored(stored, [self._charge] * len(stored))
-            if deleted:
-                self._notify_keys_deleted(deleted, [self._charge] * len(deleted))
 
     def get_memory_tags(self) -> Any:
         """What LMCache's prefetch controller filters L2 adapters by
@@ -574,62 +534,11 @@ class TieredL2Adapter(L2AdapterInterface):
 
     def delete(self, keys: list[ObjectKey]) -> None:
         """Forget ``keys`` in every tier (LMCache's L2 eviction calls this);
-        listeners hear of it through :meth:`_reconcile`."""
+        listeners hear of it from the ledger (:mod:`lmcache_tiered.l2_ledger`)."""
         cache = self.cache
         if cache is not None:
             for key in keys:
                 cache.remove(key)
-
-    def register_listener(self, listener: L2AdapterListener) -> None:
-        """Register ``listener`` and tell it of the chunks already stored
-        (recovered after a restart), as LMCache's raw-block adapter does."""
-        with self._in_l2_lock:
-            super().register_listener(listener)
-            keys = list(self._in_l2.values())
-            if keys:
-                listener.on_l2_keys_stored(keys, [self._charge] * len(keys))
-
-    def list_l2_keys(
-        self,
-        model_name: str | None = None,
-        page_size: int = 500,
-        cursor: str | None = None,
-    ) -> KeyListPage:
-        """A page of the keys in L2 (the server's key-listing API), in digest
-        order; the cursor is the last digest of the previous page, so keys
-        stored or evicted between pages never shift the rest."""
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive (got {page_size})")
-        try:
-            after = b"" if cursor is None else bytes.fromhex(cursor)
-        except ValueError:
-            raise ValueError(f"malformed cursor {cursor!r}") from None
-        with self._in_l2_lock:
-            # one page and one more (is there a next page?), not a full sort
-            resident = heapq.nsmallest(
-                page_size + 1,
-                (
-                    (digest, key)
-                    for digest, key in self._in_l2.items()
-                    if digest > after
-                    and (model_name is None or key.model_name == model_name)
-                ),
-                key=lambda item: item[0],
-            )
-        page = resident[:page_size]
-        cache = self.cache
-        entries = []
-        for _, key in page:
-            header = None if cache is None else cache.header(key)
-            if header is not None:  # else evicted since the snapshot
-                entries.append(
-                    KeyEntry(
-                        key=key.to_encoded_object_key(),
-                        size_bytes=header.payload_size,
-                    )
-                )
-        more = len(resident) > page_size
-        return KeyListPage(tuple(entries), page[-1][0].hex() if more else None)
 
     # ---------------------------------------------------------------- status
 
