@@ -46,7 +46,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,8 @@ DEGRADE_AFTER = 3
 MAX_INDEX = 1 << 18
 #: The model name of our objects in the store (their namespace).
 NAMESPACE = "lmcache-tiered"
-_PAYLOAD, _HEADER = 0, 1
+#: Object groups of a chunk's two objects in the store.
+PAYLOAD_GROUP, HEADER_GROUP = 0, 1
 #: Seconds between polls of an operation's result.
 _POLL_S = 0.0005
 
@@ -93,11 +94,43 @@ class StoreEngine:
     name: str
     supports_fixed_buffers: bool = False
 
+    def register_buffers(self, regions: Sequence[memoryview]) -> bool:
+        """A store takes no fixed buffers (reads land in buffers of ours)."""
+        return False
+
 
 def _object_key(digest: bytes, group: int) -> ObjectKey:
+    """The store's name of one object of the chunk with key digest ``digest``."""
     return ObjectKey(
         chunk_hash=digest, model_name=NAMESPACE, kv_rank=0, object_group_id=group
     )
+
+
+def probe_key(owner: str) -> ObjectKey:
+    """The object the prober named ``owner`` writes and reads back (a tier:
+    its host and process; ``inspect``: its host, looked up only)."""
+    digest = hashlib.blake2b(f"probe@{owner}".encode(), digest_size=DIGEST_SIZE)
+    return _object_key(digest.digest(), PAYLOAD_GROUP)
+
+
+def build_adapter(spec: Mapping[str, Any]) -> L2AdapterInterface:
+    """The adapter ``spec`` (``tiered.cold.adapter``) describes, built by
+    LMCache; ConfigError naming the setting for a spec LMCache refuses."""
+    try:
+        return build_l2_adapter(json.dumps(spec))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{PREFIX}cold.adapter: {exc}") from None
+
+
+def answer(query: Callable[[], Any], timeout: float) -> Any:
+    """Poll ``query`` until it answers (not None), for at most ``timeout``
+    seconds; None if it never did."""
+    deadline = time.monotonic() + timeout
+    while (result := query()) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(_POLL_S)
+    return result
 
 
 class _Broken(Exception):
@@ -105,13 +138,12 @@ class _Broken(Exception):
 
 
 class AdapterTier:
-    """The cold tier over an LMCache L2 adapter, with the surface of
-    :class:`lmcache_tiered.tier.Tier` that the cache, the promoter and the
-    adapters use (see the module docstring for what differs)."""
+    """The cold tier over an LMCache L2 adapter: a
+    :class:`lmcache_tiered.tier_protocol.StorageTier` (see the module
+    docstring for what differs from a file tier)."""
 
     name = "cold"
     paths: tuple[str, ...] = ()
-    read_only = False
     direct_io = False
 
     def __init__(self, settings: TieredConfig, *, max_payload: int) -> None:
@@ -122,8 +154,6 @@ class AdapterTier:
         self.max_payload = max_payload
         self.stats = TierStats()
         self.degraded: str | None = None
-        #: never called: the store evicts on its own
-        self.on_evict: Callable[[list[StoreKey]], None] | None = None
         self._index: OrderedDict[bytes, RecordHeader] = OrderedDict()
         self._lock = threading.Lock()
         self._failures = 0
@@ -131,27 +161,15 @@ class AdapterTier:
         #: buffers of operations that never finished, kept for the adapter
         self._abandoned: list[Any] = []
         self._stores_done: dict[int, Any] = {}
-        self._probe_key = _object_key(
-            hashlib.blake2b(
-                # one per process (deleted at close): two processes probing
-                # one object could see each other's writes as a failed check
-                f"probe@{settings.host_id}@{os.getpid()}".encode(),
-                digest_size=DIGEST_SIZE,
-            ).digest(),
-            _PAYLOAD,
-        )
-        self._adapter: L2AdapterInterface | None = self._build()
+        # one per process (deleted at close): two processes probing one
+        # object could see each other's writes as a failed check
+        self._probe_key = probe_key(f"{settings.host_id}@{os.getpid()}")
+        self._adapter: L2AdapterInterface | None = build_adapter(spec)
         self._stop = threading.Event()
         self._prober = threading.Thread(
             target=self._probe_loop, name="lmcache-tiered-store-probe", daemon=True
         )
         self._prober.start()
-
-    def _build(self) -> L2AdapterInterface:
-        try:
-            return build_l2_adapter(json.dumps(self.spec))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ConfigError(f"{PREFIX}cold.adapter: {exc}") from None
 
     # ----------------------------------------------------------------- index
 
@@ -200,17 +218,14 @@ class AdapterTier:
             digests = [d for k in keys if self._index.pop(d := key_digest(k), None)]
         adapter = self._adapter
         if digests and adapter is not None:
-            objects = [_object_key(d, _HEADER) for d in digests]
-            objects += [_object_key(d, _PAYLOAD) for d in digests]
+            objects = [_object_key(d, HEADER_GROUP) for d in digests]
+            objects += [_object_key(d, PAYLOAD_GROUP) for d in digests]
             deleting = threading.Thread(
                 target=_delete, args=(adapter, objects), daemon=True
             )
             deleting.start()
             deleting.join(wait_s)
         return len(digests)
-
-    def victims(self, count: int) -> list[StoreKey]:
-        return []
 
     @property
     def used_bytes(self) -> int:
@@ -241,7 +256,7 @@ class AdapterTier:
             return
         digests = list(wanted)
         buffers = [torch.empty(HEADER_SIZE, dtype=torch.uint8) for _ in digests]
-        ok = self._load([_object_key(d, _HEADER) for d in digests], buffers)
+        ok = self._load([_object_key(d, HEADER_GROUP) for d in digests], buffers)
         found = []
         for digest, buffer, good in zip(digests, buffers, ok, strict=True):
             if not good:
@@ -308,7 +323,7 @@ class AdapterTier:
             buffers.append(torch.empty(header.payload_size, dtype=torch.uint8))
         started = time.perf_counter()
         ok = self._load(
-            [_object_key(key_digest(keys[i]), _PAYLOAD) for i in index], buffers
+            [_object_key(key_digest(keys[i]), PAYLOAD_GROUP) for i in index], buffers
         )
         self.stats.read_latency.observe(time.perf_counter() - started)
         lost = []
@@ -370,8 +385,8 @@ class AdapterTier:
             torch.frombuffer(bytearray(h.encode()), dtype=torch.uint8) for h in headers
         ]
         if not (
-            self._store([_object_key(d, _PAYLOAD) for d in digests], bodies)
-            and self._store([_object_key(d, _HEADER) for d in digests], blocks)
+            self._store([_object_key(d, PAYLOAD_GROUP) for d in digests], bodies)
+            and self._store([_object_key(d, HEADER_GROUP) for d in digests], blocks)
         ):
             self.stats.puts_dropped += len(todo)
             self.stats.io_errors += 1
@@ -452,12 +467,10 @@ class AdapterTier:
     def _wait(self, query: Callable[[], Any], objs: list[TensorMemoryObj]) -> Any:
         """Poll ``query`` until it answers; after :data:`TIMEOUT_S` keep the
         operation's buffers for good and raise _Broken."""
-        deadline = time.monotonic() + TIMEOUT_S
-        while (result := query()) is None:
-            if time.monotonic() > deadline:
-                self._abandoned.append(objs)
-                raise _Broken(f"an operation took over {TIMEOUT_S:.0f} s")
-            time.sleep(_POLL_S)
+        result = answer(query, TIMEOUT_S)
+        if result is None:
+            self._abandoned.append(objs)
+            raise _Broken(f"an operation took over {TIMEOUT_S:.0f} s")
         return result
 
     def _failed(self) -> None:
@@ -481,7 +494,7 @@ class AdapterTier:
             PROBE_S,
         )
         if adapter is not None:
-            _close_later(adapter)
+            close_later(adapter)
 
     def _probe(self) -> bool:
         """A small write and read of our own probe object."""
@@ -500,7 +513,7 @@ class AdapterTier:
                     self._degrade("the store failed a check")
                 continue
             try:
-                adapter = self._build()
+                adapter = build_adapter(self.spec)
             except Exception as exc:
                 logger.debug("lmcache_tiered: cold store not back: %s", exc)
                 continue
@@ -519,7 +532,7 @@ class AdapterTier:
         if adapter is not None:
             # our probe object goes with us, unless the store is unreachable
             probe = [self._probe_key] if self.degraded is None else []
-            _close_later(adapter, delete_first=probe).join(TIMEOUT_S)
+            close_later(adapter, delete_first=probe).join(TIMEOUT_S)
 
 
 def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
@@ -529,7 +542,7 @@ def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
         logger.exception("lmcache_tiered: store delete failed")
 
 
-def _close_later(
+def close_later(
     adapter: L2AdapterInterface, delete_first: list[ObjectKey] | None = None
 ) -> threading.Thread:
     """Close ``adapter`` (after deleting ``delete_first``) on a daemon thread:

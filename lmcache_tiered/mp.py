@@ -31,9 +31,10 @@ into cache calls:
   once its chunks are written (payload, then header); a cold hit is copied
   out of the caller's buffer before the load is reported, for its copy to
   warm.
-* Work runs on three threads (store, lookup/unlock, load), so a long store
-  batch never delays a lookup or a load; each thread takes every task queued
-  so far as one cache call, so one call's I/O keeps all devices busy. A
+* Work runs on three threads (store, lookup/unlock, load:
+  :class:`lmcache_tiered.writer.BatchWorker`), so a long store batch never
+  delays a lookup or a load; each thread takes every task queued so far as
+  one cache call, so one call's I/O keeps all devices busy. A
   thread signals the operation's event fd once the results it produced are
   queryable; ``submit_*`` calls only queue.
 * Lookup-and-lock pins each chunk found in the tier that holds it (a pinned
@@ -49,34 +50,30 @@ into cache calls:
 * LMCache's listeners and usage counters see a chunk as stored while some
   tier of ours holds it: a demotion to cold is no deletion, a chunk that
   leaves its last tier (eviction, bad record, ``delete``) is one. Each chunk
-  is charged one warm slot on disk.
+  is charged one warm slot on disk. That record, and the key listing, are
+  :class:`lmcache_tiered.l2_ledger.L2Ledger`'s, the adapter's base class.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
-import queue
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import (
-    KeyEntry,
-    KeyListPage,
     MemoryLayoutDesc,
     ObjectKey,
 )
 from lmcache.v1.distributed.internal_api import (
     L1MemoryDesc,
-    L2AdapterListener,
     L2StoreResult,
 )
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import (
     MemoryObj,
@@ -85,13 +82,14 @@ from lmcache.v1.memory_management import (
 )
 from lmcache.v1.platform import create_event_notifier
 
-from lmcache_tiered._lmcache import l2_memory_tags, seed_l2_usage
+from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.cache import EmptyView, TieredCache, load_configured_policy
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
-from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.l2_ledger import L2Ledger
 from lmcache_tiered.layout import TierNames, read_superblock
 from lmcache_tiered.payload import Payload
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.tier_protocol import StorageTier
+from lmcache_tiered.writer import BatchWorker
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -188,45 +186,6 @@ class _Touch:
 
 #: what the lookup thread runs, in the order submitted
 _LookupJob = _Task | _Unlock | _Touch
-_Job = TypeVar("_Job")
-
-
-class _Worker(Generic[_Job]):
-    """A thread that hands every job queued so far to ``handle`` as one batch.
-
-    ``stop`` lets it finish what is queued, so no accepted task is left
-    without a result.
-    """
-
-    def __init__(self, name: str, handle: Callable[[list[_Job]], None]) -> None:
-        self._handle = handle
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, job: _Job) -> None:
-        self._queue.put(job)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            jobs = [self._queue.get()]
-            while not self._queue.empty():
-                jobs.append(self._queue.get())
-            batch = [job for job in jobs if job is not None]
-            if batch:
-                try:
-                    self._handle(batch)
-                except Exception:  # the handlers publish their own failures
-                    logger.exception("lmcache_tiered: %s failed", self._thread.name)
-            if len(batch) < len(jobs):
-                return
 
 
 def _rows(keys: Sequence[ObjectKey]) -> list[range]:
@@ -254,7 +213,7 @@ def capacity_bytes(settings: TieredConfig) -> int:
     return max(warm, cold) if settings.cold_write_through else warm + cold
 
 
-class TieredL2Adapter(L2AdapterInterface):
+class TieredL2Adapter(L2Ledger):
     """A :class:`TieredCache` behind LMCache's ``L2AdapterInterface``.
 
     LMCache's plugin factory calls ``TieredL2Adapter(config, l1_memory_desc=)``
@@ -275,12 +234,7 @@ class TieredL2Adapter(L2AdapterInterface):
         self.settings = settings
         self._l1_memory_desc = l1_memory_desc
         #: None until the slot size is known (see _open_cache)
-        self.cache: TieredCache | None = None
-        #: the chunks LMCache's listeners last heard of as stored, by digest
-        self._in_l2: dict[bytes, ObjectKey] = {}
-        self._in_l2_lock = threading.Lock()
-        #: bytes each chunk counts for in LMCache's usage: one warm slot on disk
-        self._charge = 0
+        self.cache = None
         slot = settings.slot_bytes or recorded_slot_bytes(settings.warm.paths[0])
         if slot is not None:
             self._open_cache(slot)
@@ -293,13 +247,15 @@ class TieredL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
-        self._stores_worker = _Worker[_Task](
+        self._stores_worker = BatchWorker[_Task](
             "lmcache-tiered-l2-store", self._run_stores
         )
-        self._lookups_worker = _Worker[_LookupJob](
+        self._lookups_worker = BatchWorker[_LookupJob](
             "lmcache-tiered-l2-lookup", self._run_lookups
         )
-        self._loads_worker = _Worker[_Task]("lmcache-tiered-l2-load", self._run_loads)
+        self._loads_worker = BatchWorker[_Task](
+            "lmcache-tiered-l2-load", self._run_loads
+        )
         if settings.hint_port >= 0:
             logger.warning(
                 "lmcache_tiered: warmup.hint_port is ignored by TieredL2Adapter: "
@@ -320,7 +276,7 @@ class TieredL2Adapter(L2AdapterInterface):
     # ---------------------------------------------------------------- tiers
 
     @property
-    def tiers(self) -> list[Tier]:
+    def tiers(self) -> list[StorageTier]:
         """Our tiers, warm first; empty until the slot size is known."""
         cache = self.cache
         return [] if cache is None else list(cache.tiers.values())
@@ -338,40 +294,8 @@ class TieredL2Adapter(L2AdapterInterface):
         if desc is not None and desc.stable_registration_size:
             # LMCache says the L1 arena stays put: fixed buffers for loads
             cache.register_memory(desc.ptr, desc.stable_registration_size)
-        self._charge = charge = cache.warm.geometry.slot_disk_bytes
-        recovered = [k for k in cache.stored_keys() if isinstance(k, ObjectKey)]
-        with self._in_l2_lock:
-            for key in recovered:
-                self._in_l2[key_digest(key)] = key
-            seed_l2_usage(self, [key.cache_salt for key in recovered], charge)
-        cache.on_change = lambda keys: self._reconcile(cache, keys)
+        self._follow(cache)
         self.cache = cache
-
-    def _reconcile(self, cache: TieredCache, keys: Sequence[StoreKey]) -> None:
-        """Tell LMCache's listeners and usage counters which of ``keys``
-        entered or left L2. A chunk is in L2 while some tier of ours holds it:
-        a warm victim demoted to cold is not deleted, nor is a cold victim
-        warm still holds; one that leaves its last tier (eviction, bad
-        record, ``delete``) is. The cache calls this after every such change;
-        one lock makes listeners hear stored and deleted in turn for each
-        chunk, whichever threads changed it."""
-        stored: list[ObjectKey] = []
-        deleted: list[ObjectKey] = []
-        with self._in_l2_lock:
-            for key in keys:
-                if not isinstance(key, ObjectKey):
-                    continue
-                digest = key_digest(key)
-                if cache.holds(key):
-                    if digest not in self._in_l2:
-                        self._in_l2[digest] = key
-                        stored.append(key)
-                elif self._in_l2.pop(digest, None) is not None:
-                    deleted.append(key)
-            if stored:
-                self._notify_keys_stored(stored, [self._charge] * len(stored))
-            if deleted:
-                self._notify_keys_deleted(deleted, [self._charge] * len(deleted))
 
     def get_memory_tags(self) -> Any:
         """What LMCache's prefetch controller filters L2 adapters by
@@ -405,7 +329,7 @@ class TieredL2Adapter(L2AdapterInterface):
 
     def _submit(
         self,
-        worker: _Worker[_Task] | _Worker[_LookupJob],
+        worker: BatchWorker[_Task] | BatchWorker[_LookupJob],
         keys: list[ObjectKey],
         objects: list[MemoryObj],
     ) -> L2TaskId:
@@ -604,62 +528,11 @@ class TieredL2Adapter(L2AdapterInterface):
 
     def delete(self, keys: list[ObjectKey]) -> None:
         """Forget ``keys`` in every tier (LMCache's L2 eviction calls this);
-        listeners hear of it through :meth:`_reconcile`."""
+        listeners hear of it from the ledger (:mod:`lmcache_tiered.l2_ledger`)."""
         cache = self.cache
         if cache is not None:
             for key in keys:
                 cache.remove(key)
-
-    def register_listener(self, listener: L2AdapterListener) -> None:
-        """Register ``listener`` and tell it of the chunks already stored
-        (recovered after a restart), as LMCache's raw-block adapter does."""
-        with self._in_l2_lock:
-            super().register_listener(listener)
-            keys = list(self._in_l2.values())
-            if keys:
-                listener.on_l2_keys_stored(keys, [self._charge] * len(keys))
-
-    def list_l2_keys(
-        self,
-        model_name: str | None = None,
-        page_size: int = 500,
-        cursor: str | None = None,
-    ) -> KeyListPage:
-        """A page of the keys in L2 (the server's key-listing API), in digest
-        order; the cursor is the last digest of the previous page, so keys
-        stored or evicted between pages never shift the rest."""
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive (got {page_size})")
-        try:
-            after = b"" if cursor is None else bytes.fromhex(cursor)
-        except ValueError:
-            raise ValueError(f"malformed cursor {cursor!r}") from None
-        with self._in_l2_lock:
-            # one page and one more (is there a next page?), not a full sort
-            resident = heapq.nsmallest(
-                page_size + 1,
-                (
-                    (digest, key)
-                    for digest, key in self._in_l2.items()
-                    if digest > after
-                    and (model_name is None or key.model_name == model_name)
-                ),
-                key=lambda item: item[0],
-            )
-        page = resident[:page_size]
-        cache = self.cache
-        entries = []
-        for _, key in page:
-            header = None if cache is None else cache.header(key)
-            if header is not None:  # else evicted since the snapshot
-                entries.append(
-                    KeyEntry(
-                        key=key.to_encoded_object_key(),
-                        size_bytes=header.payload_size,
-                    )
-                )
-        more = len(resident) > page_size
-        return KeyListPage(tuple(entries), page[-1][0].hex() if more else None)
 
     # ---------------------------------------------------------------- status
 
@@ -682,7 +555,7 @@ class TieredL2Adapter(L2AdapterInterface):
             "warmup": counters.get("warmup"),
         }
 
-    def _all_workers(self) -> list[_Worker[_Task] | _Worker[_LookupJob]]:
+    def _all_workers(self) -> list[BatchWorker[_Task] | BatchWorker[_LookupJob]]:
         return [self._stores_worker, self._lookups_worker, self._loads_worker]
 
     def close(self) -> None:

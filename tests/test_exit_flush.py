@@ -31,6 +31,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache_tiered import cache as cache_module
+from lmcache_tiered import writer as writer_module
 from lmcache_tiered.config import TieredConfig
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -44,7 +45,7 @@ cache = cache_module.TieredCache(
     config, owner="kv-w0", max_payload=shape.numel() * 2, local_workers=1, hot=None
 )
 if stuck:  # a writer that never finishes: the exit wait must be bounded
-    cache_module.EXIT_FLUSH_S = 1.0
+    writer_module.EXIT_FLUSH_S = 1.0
     cache.store = lambda payloads: time.sleep(3600)
 keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(CHUNKS)]
 objs = []

@@ -148,6 +148,40 @@ def test_inspect_usage_errors(
     assert code == 2 and "No such file" in err
 
 
+def test_inspect_config_reads_every_tier_it_names_and_refuses_bad_ones(
+    stored: list[CacheEngineKey],
+    device_dirs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = tmp_path / "lmcache.yaml"
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    warm = "\n".join(f"    - {d}" for d in device_dirs)
+    config.write_text(
+        f"chunk_size: 256\nextra_config:\n  tiered.warm.paths:\n{warm}\n"
+        f"  tiered.cold.paths: [{cold}]\n"
+    )
+    code, out, err = cli(capsys, "inspect", "--config", str(config), "--json")
+    report = json.loads(out)
+    # warm's files are read; the cold tier holds no files yet: said, exit 2
+    assert [r["chunks"] for r in report["owners"]] == [9]
+    assert report["unreadable"] == [
+        {"paths": [str(cold)], "error": f"{cold}: no tier files (*.hdr) here"}
+    ]
+    assert code == 2 and report["store"] is None
+    code, _, err = cli(capsys, "inspect", "--config", str(config), str(cold))
+    assert code == 2 and "PATHS or --config FILE, not both" in err
+    code, _, err = cli(capsys, "inspect")
+    assert code == 2 and "give a tier's PATHS or --config FILE" in err
+    config.write_text("local_cpu: true\n")
+    code, _, err = cli(capsys, "inspect", "--config", str(config))
+    assert code == 2 and "neither LMCache's YAML (with extra_config)" in err
+    config.write_text("extra_config: {tiered.warm.pahts: [/x]}\n")
+    code, _, err = cli(capsys, "inspect", "--config", str(config))
+    assert code == 2 and "Did you mean tiered.warm.paths?" in err
+
+
 def _damage(
     device_dirs: list[Path], tier: Tier, allocator: MixedMemoryAllocator
 ) -> None:

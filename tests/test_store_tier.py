@@ -21,9 +21,10 @@ from test_bench import SMALL, mooncake, write_trace
 from test_mp import CHUNK as MP_CHUNK
 from test_mp import SLOT, Caller, memory_obj, okey, params
 
-from lmcache_tiered import adapter_tier, cli, testing
+from lmcache_tiered import adapter_tier, testing
 from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.adapter_tier import AdapterTier
+from lmcache_tiered.cli import main
 from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.keys import key_digest
 from lmcache_tiered.mp import TieredL2Adapter
@@ -191,7 +192,6 @@ _HOST = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import cache_of
-from lmcache_tiered import testing
 extra = {{
     "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
     "storage_plugin.tiered.class_name": "TieredBackend",
@@ -324,6 +324,9 @@ def test_multi_process_adapter_over_redis(tmp_path: Path, redis: Redis) -> None:
         # the store evicting a payload on its own: a miss, the rest served
         victim = key_digest(keys[0]).hex()
         assert redis.cli("del", f"{adapter_tier.NAMESPACE}@00000000@0@{victim}")
+        # the loads' copies to warm are written in the background: let them
+        # land first, or key 0's copy can reach warm after it is removed
+        second.cache.flush()
         second.cache.tiers["warm"].remove(keys[0])
         dst = [memory_obj() for _ in range(4)]
         assert caller.load(keys[:4], dst) == [1, 2, 3]
@@ -368,6 +371,112 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
 
 
+def inspect_config(
+    capsys: pytest.CaptureFixture[str], config: Path, *args: str
+) -> tuple[int, str, str]:
+    code = main(["inspect", "--config", str(config), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_inspect_reports_the_store_a_config_names(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``inspect --config`` with LMCache's YAML: warm's files as ever, and the
+    store: its adapter, that it answers, its own status; misses of listing
+    said as such (resp lists no keys). A store gone is reported, exit 2."""
+    monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
+    engine, connector, _ = store_engine(engine_factory, tmp_path / "warm", redis)
+    store_chunks(engine, connector, 2, seed=1)
+    store_chunks(engine, connector, 2, seed=11)  # demotes the first two to Redis
+    testing.destroy_all_engines()
+    extra = {
+        "tiered.warm.paths": [str(tmp_path / "warm")],
+        "tiered.cold.adapter": redis.adapter,
+        "tiered.warmup.policy": "none",
+    }
+    config = tmp_path / "lmcache.yaml"
+    config.write_text(json.dumps({"chunk_size": CHUNK, "extra_config": extra}))
+    code, out, _ = inspect_config(capsys, config, "--json")
+    assert code == 0
+    report = json.loads(out)
+    (warm,) = report["owners"]
+    assert warm["owner"] == "kv-w0" and warm["chunks"] == 2
+    store = report["store"]
+    assert store["adapter"] == "resp" and store["reachable"] is True
+    assert store["config"]["port"] == redis.port and store["error"] is None
+    assert store["status"]["is_healthy"] is True
+    assert store["objects"] is None  # LMCache's resp adapter lists no keys
+    code, out, _ = inspect_config(capsys, config)
+    assert code == 0 and "chunks: 2 (0.5 MiB)" in out
+    assert "cold store resp" in out and "reachable: answered a lookup" in out
+    assert "chunks: not listed (the resp adapter offers no key listing)" in out
+
+    redis.stop()
+    started = time.monotonic()
+    code, out, err = inspect_config(capsys, config)
+    assert code == 2 and time.monotonic() - started < 30
+    assert "chunks: 2 (0.5 MiB)" in out  # the files are still shown
+    assert "not reachable: no answer to a lookup within 2 s" in out
+
+
+def test_inspect_lists_a_stores_chunks_where_the_adapter_can(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store whose adapter lists keys (our own L2 adapter, loaded by
+    LMCache's plugin adapter type) behind an MP server's --l2-adapter JSON:
+    inspect counts the chunks there and shows the adapter's counters."""
+    store_dir, warm = tmp_path / "store", tmp_path / "warm"
+    store_dir.mkdir()
+    warm.mkdir()
+    store_spec = {
+        "type": "plugin",
+        "module_path": "lmcache_tiered.mp",
+        "class_name": "TieredL2Adapter",
+        "adapter_params": params([store_dir], slot_mb=MP_CHUNK / 2**20),
+    }
+    server_params = params(
+        [warm],
+        **{
+            "slot_mb": MP_CHUNK / 2**20,
+            "warm.capacity_gb": 2 * SLOT / 2**30,
+            "cold.adapter": store_spec,
+        },
+    )
+    server = TieredL2Adapter(server_params)
+    try:
+        caller = Caller(server)
+        keys = [okey(i) for i in range(6)]
+        for i in range(0, 6, 2):
+            assert caller.store(keys[i : i + 2], [memory_obj(seed=i), memory_obj()])
+    finally:
+        server.close()
+    config = tmp_path / "l2-adapter.json"
+    config.write_text(json.dumps({"type": "plugin", "adapter_params": server_params}))
+    code, out, _ = inspect_config(capsys, config, "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert [r["chunks"] for r in report["owners"]] == [2]  # warm's two slots
+    store = report["store"]
+    assert store["reachable"] is True and store["adapter"] == "plugin"
+    # four chunks demoted, each a payload and a header object
+    assert store["objects"] == {
+        "chunks": 4,
+        "payload_bytes": 4 * MP_CHUNK,
+        "complete": True,
+    }
+    # the adapter's own status as it gives it: what its files hold (8
+    # objects, and the probe object if the server's prober wrote one)
+    assert store["status"]["type"] == "TieredL2Adapter"
+    assert store["status"]["tiers"]["warm"]["chunks"] in (8, 9)
+    code, out, _ = inspect_config(capsys, config)
+    assert code == 0 and "chunks: 4 (0.2 MiB)" in out
+
+
 def test_bench_runs_against_the_real_store_and_leaves_it_empty(
     tmp_path: Path,
     redis: Redis,
@@ -394,7 +503,7 @@ def test_bench_runs_against_the_real_store_and_leaves_it_empty(
     argv += ["--cold-adapter", redis.adapter, "--hot-gb", "0"]
     argv += ["--warm-gb", str(3 * (chunk + 4096) / 2**30), "--concurrency", "1"]
     argv += ["--policies", "none,lookahead", "--no-baseline", "--plot", "none"]
-    assert cli.main([*argv, "--json", str(out)]) == 0
+    assert main([*argv, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "cold tier on a real resp store" in printed
     document = json.loads(out.read_text())

@@ -34,6 +34,7 @@ from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
 from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.tier import Tier
 
 #: Name of the no-plugin baseline: LMCache's own LocalDiskBackend.
 LOCAL_DISK = "lmcache_local_disk"
@@ -185,7 +186,8 @@ def build_variant(
             (cache.tiers.get("cold"), setup.cold_link),
             (cache.tiers.get("warm"), setup.warm_link),
         ):
-            if link is not None and tier is not None:
+            # a store cold tier (--cold-adapter) is a real link: none modelled
+            if link is not None and isinstance(tier, Tier):
                 emulate_link(tier, link, setup.clock)
     return engine, backend
 

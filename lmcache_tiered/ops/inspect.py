@@ -1,4 +1,13 @@
-"""``lmcache-tiered inspect PATHS``: what a tier holds, from its files alone.
+"""``lmcache-tiered inspect PATHS | --config FILE``: what the tiers hold.
+
+``PATHS`` are one tier's directories. ``--config`` takes the configuration
+a server runs with instead: LMCache's YAML (its ``extra_config``'s
+``tiered.*`` settings) or the ``--l2-adapter`` JSON of LMCache's
+multi-process server (``adapter_params``). Every tier it names is shown:
+warm and cold files as below, and a cold tier on a store
+(``tiered.cold.adapter`` / ``cold.adapter``) as :mod:`lmcache_tiered.ops.store`
+reports it: the adapter, whether the store answers, its own status, and its
+chunks where the adapter can list them.
 
 Per owner (one per LMCache worker): the layout, chunks and payload bytes,
 capacity in slots and disk bytes, oldest and newest record, and the groups
@@ -9,8 +18,8 @@ newest first: the input ``warmup --keys`` takes. Text from the files (model
 names, owners) is printed with unprintable characters escaped (``\\x1b``),
 as ``warmup --keys`` reads it back.
 
-Exit status: 0 all read, 2 some owner could not be read (reported; the others
-are still shown) or bad arguments.
+Exit status: 0 all read, 2 some owner could not be read or the store did not
+answer (reported; the others are still shown), or bad arguments or config.
 """
 
 from __future__ import annotations
@@ -22,12 +31,12 @@ import sys
 from collections import Counter
 from typing import Any
 
+from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.files import printable
 from lmcache_tiered.keys import key_text
 from lmcache_tiered.ops.records import (
     TierFiles,
     ToolError,
-    add_tier_arguments,
     group_of,
     lock_holder,
     newest,
@@ -44,7 +53,15 @@ def add_parser(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_tier_arguments(parser)
+    parser.add_argument(
+        "paths", nargs="*", help="the tier's directories, in tiered.<tier>.paths order"
+    )
+    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+    parser.add_argument(
+        "--config",
+        help="every tier a server's configuration names, files and store: LMCache's "
+        "YAML, or the multi-process server's --l2-adapter JSON",
+    )
     parser.add_argument(
         "--top", type=int, default=10, help="groups to list (default 10)"
     )
@@ -135,16 +152,58 @@ def _text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
+def load_config(path: str) -> TieredConfig:
+    """The tiers' settings in ``path``: LMCache's YAML (``extra_config``) or
+    the ``--l2-adapter`` JSON (``adapter_params``); ConfigError if neither."""
+    import yaml  # LMCache's own dependency: its configuration is YAML
+
     try:
-        names = owners(args.paths[0], args.owner)
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    if isinstance(doc, dict) and isinstance(doc.get("extra_config"), dict):
+        return TieredConfig.from_extra_config(doc["extra_config"])
+    if isinstance(doc, dict) and isinstance(doc.get("adapter_params"), dict):
+        from lmcache_tiered.mp import TieredL2AdapterConfig
+
+        return TieredL2AdapterConfig.from_dict(doc["adapter_params"]).settings
+    raise ConfigError(
+        f"--config {path}: neither LMCache's YAML (with extra_config) nor an "
+        "--l2-adapter JSON (with adapter_params)"
+    )
+
+
+def _tiers(args: argparse.Namespace) -> tuple[list[list[str]], TieredConfig | None]:
+    """The directories of each tier of files to read, and the configuration
+    they came from (None: PATHS given)."""
+    if args.config is None:
+        if not args.paths:
+            raise ToolError("give a tier's PATHS or --config FILE")
+        return [args.paths], None
+    if args.paths:
+        raise ToolError("give a tier's PATHS or --config FILE, not both")
+    config = load_config(args.config)
+    tiers = [config.warm, config.cold]
+    return [list(t.paths) for t in tiers if t is not None], config
+
+
+def _read_files(
+    args: argparse.Namespace, paths: list[str], reports: list[Any], unread: list[Any]
+) -> None:
+    """Report (or list the keys of) each owner's files under ``paths``; with
+    ``--config``, a tier without files is reported and the others shown."""
+    try:
+        names = owners(paths[0], args.owner)
     except ToolError as exc:
+        if args.config is None:
+            raise
+        unread.append({"paths": paths, "error": str(exc)})
         print(f"lmcache-tiered inspect: {printable(str(exc))}", file=sys.stderr)
-        return 2
-    reports, unread = [], []
+        return
     for owner in names:
         try:
-            with TierFiles(args.paths, owner) as files:
+            with TierFiles(paths, owner) as files:
                 if args.keys:
                     live, _ = newest(list(files.scan()))
                     by_age = sorted(
@@ -161,8 +220,38 @@ def run(args: argparse.Namespace) -> int:
             unread.append({"owner": owner, "error": str(exc)})
             why = printable(str(exc))
             print(f"lmcache-tiered inspect: {printable(owner)}: {why}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    reports: list[Any] = []
+    unread: list[Any] = []
+    try:
+        tiers, config = _tiers(args)
+        for paths in tiers:
+            _read_files(args, paths, reports, unread)
+    except (ToolError, ConfigError) as exc:
+        print(f"lmcache-tiered inspect: {printable(str(exc))}", file=sys.stderr)
+        return 2
+    store = None
+    if config is not None and config.cold_adapter is not None:
+        from lmcache_tiered.ops.store import survey
+
+        store = survey(config.cold_adapter, host_id=config.host_id)
+        if args.keys:
+            print(
+                "lmcache-tiered inspect: the store's keys are not listed: its "
+                "objects are named by digests",
+                file=sys.stderr,
+            )
     if args.json:
-        print(json.dumps({"owners": reports, "unreadable": unread}, indent=2))
-    elif reports:
-        print("\n".join(_text(r) for r in reports))
-    return 2 if unread else 0
+        out: dict[str, Any] = {"owners": reports, "unreadable": unread}
+        if config is not None:
+            out["store"] = store
+        print(json.dumps(out, indent=2))
+    elif not args.keys:
+        from lmcache_tiered.ops.store import text
+
+        texts = [_text(r) for r in reports] + ([text(store)] if store else [])
+        if texts:
+            print("\n".join(texts))
+    return 2 if unread or (store is not None and not store["reachable"]) else 0

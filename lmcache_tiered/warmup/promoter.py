@@ -47,7 +47,7 @@ from lmcache_tiered._lmcache import watch_first_pin
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
 from lmcache_tiered.payload import Payload
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.tier_protocol import StorageTier
 from lmcache_tiered.warmup.base import (
     TIER_RANK,
     CacheView,
@@ -104,7 +104,7 @@ class Promoter:
         *,
         policy: WarmupPolicy,
         view: CacheView,
-        tiers: dict[TierName, Tier],
+        tiers: dict[TierName, StorageTier],
         read_cold: Callable[[list[StoreKey]], list[Payload | None]],
         store: Callable[[list[Payload]], list[bool]],
         hot: LocalCPUBackend | None,
@@ -356,7 +356,9 @@ class Promoter:
         self.stats.bytes_promoted_warm += moved
         self._spent(moved)
 
-    def _to_hot(self, source: Tier, keys: list[StoreKey], deadline: float) -> bool:
+    def _to_hot(
+        self, source: StorageTier, keys: list[StoreKey], deadline: float
+    ) -> bool:
         """Read ``keys`` into LMCache's CPU tier, pinned until used or
         ``deadline``; False (nothing done) when the budget has no room."""
         hot = self.hot

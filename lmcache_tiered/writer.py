@@ -1,0 +1,254 @@
+"""The writer: work queued off the caller's thread and done in batches.
+
+:class:`BatchWorker` is a thread that hands every job queued so far to one
+handler call, so one call's I/O keeps every device busy; flush markers wait
+for what was queued before them, and stopping finishes what is queued. The
+multi-process adapter (:mod:`lmcache_tiered.mp`) runs its store, lookup and
+load threads on it, the in-process cache its :class:`Writer`.
+
+:class:`Writer` is the in-process plugin's put queue: it references each
+LMCache object until its bytes are written (LMCache drops its own reference
+as soon as the put call returns), or copies a buffer its owner may reuse at
+once; it drops puts past :data:`MAX_QUEUED_BYTES`, knows which keys are still
+pending, runs each put's callback once the store function stored it, and
+writes what is still queued when the interpreter exits (see
+:func:`_flush_at_exit`).
+
+May touch: the objects it is handed (references, bytes) and the store
+function it is given; never a tier, the policy or LMCache's CPU tier.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+from lmcache.v1.memory_management import MemoryObj
+
+from lmcache_tiered.io import aligned_buffer
+from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.layout import align_up
+from lmcache_tiered.payload import Payload
+
+logger = logging.getLogger("lmcache_tiered")
+
+PutCallback = Callable[[StoreKey], None]
+#: Most bytes of puts waiting for the writer; beyond it puts are dropped so the
+#: CPU tier, whose buffers the queued puts hold, never fills up behind them.
+MAX_QUEUED_BYTES = 2 << 30
+#: Longest an exiting interpreter waits for the puts still queued (seconds)
+EXIT_FLUSH_S = 30.0
+
+_Job = TypeVar("_Job")
+
+
+class BatchWorker(Generic[_Job]):
+    """A thread that hands every job queued so far to ``handle`` as one batch.
+
+    ``handle`` publishes its own results and failures; an exception that
+    escapes it is logged and the thread goes on. :meth:`stop` lets it finish
+    what is queued, so no accepted job is left undone.
+    """
+
+    def __init__(self, name: str, handle: Callable[[list[_Job]], None]) -> None:
+        self._handle = handle
+        #: jobs, flush markers (set once every earlier job is handled) and
+        #: None, which stops the thread
+        self._queue: queue.SimpleQueue[_Job | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, job: _Job) -> None:
+        self._queue.put(job)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every job queued so far is handled, or ``timeout``
+        seconds; False if some were still queued then."""
+        marker = threading.Event()
+        self._queue.put(marker)
+        return marker.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get())
+            jobs = [
+                i for i in items if i is not None and not isinstance(i, threading.Event)
+            ]
+            if jobs:
+                try:
+                    self._handle(jobs)
+                except Exception:
+                    logger.exception("lmcache_tiered: %s failed", self._thread.name)
+            for item in items:
+                if isinstance(item, threading.Event):
+                    item.set()
+            if None in items:
+                return
+
+
+@dataclasses.dataclass(slots=True)
+class _Batch:
+    """Payloads queued together. ``refs`` are the objects whose memory the
+    payloads point into, each holding a reference until written (None for a
+    payload copied into its own buffer)."""
+
+    callback: PutCallback | None
+    payloads: list[Payload] = dataclasses.field(default_factory=list)
+    refs: list[MemoryObj | None] = dataclasses.field(default_factory=list)
+
+
+class Writer:
+    """Puts queued for ``store`` (which writes a batch of payloads and says
+    which it stored), written by one thread, every batch waiting at once."""
+
+    def __init__(
+        self,
+        store: Callable[[list[Payload]], list[bool]],
+        *,
+        name: str = "lmcache-tiered-writer",
+    ) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, int] = {}
+        self._queued_bytes = 0
+        self._closed = False
+        #: puts refused because MAX_QUEUED_BYTES were already queued
+        self.puts_dropped = 0
+        self._worker = BatchWorker[_Batch](name, self._write)
+        _flush_at_exit(self)
+
+    def enqueue(
+        self,
+        items: Sequence[tuple[StoreKey, MemoryObj]],
+        callback: PutCallback | None,
+        *,
+        copy: bool = False,
+    ) -> None:
+        """Queue a batch; return at once. Each object is referenced until it
+        is written, or with ``copy`` its bytes are copied now (for a buffer
+        its owner may reuse at once). A key already queued is skipped."""
+        chosen = []
+        with self._lock:
+            if self._closed:
+                return
+            for key, obj in items:
+                digest, size = key_digest(key), obj.get_size()
+                if digest in self._pending:
+                    continue
+                if self._queued_bytes + size > MAX_QUEUED_BYTES:
+                    self.puts_dropped += 1
+                    continue
+                if not copy:
+                    obj.ref_count_up()
+                self._pending[digest] = size
+                self._queued_bytes += size
+                chosen.append((key, obj))
+        batch = _Batch(callback)
+        for key, obj in chosen:
+            payload = Payload.of(key, obj)
+            if copy:
+                buffer = aligned_buffer(align_up(len(payload.view)))
+                buffer[: len(payload.view)] = payload.view
+                payload = dataclasses.replace(
+                    payload, view=buffer[: len(payload.view)], direct=True
+                )
+            batch.payloads.append(payload)
+            batch.refs.append(None if copy else obj)
+        if batch.payloads:
+            self._worker.put(batch)
+
+    def is_pending(self, key: StoreKey) -> bool:
+        """Whether ``key`` is queued and not yet written (or dropped)."""
+        return key_digest(key) in self._pending
+
+    def _write(self, batches: list[_Batch]) -> None:
+        try:
+            done = iter(self._store([p for b in batches for p in b.payloads]))
+            for batch in batches:
+                for payload in batch.payloads:
+                    if next(done) and batch.callback is not None:
+                        try:
+                            batch.callback(payload.key)
+                        except Exception:
+                            logger.exception("lmcache_tiered: put callback failed")
+        except Exception:
+            logger.exception("lmcache_tiered: write failed")
+        finally:
+            self._release(batches)
+
+    def _release(self, batches: list[_Batch]) -> None:
+        for batch in batches:
+            for payload, ref in zip(batch.payloads, batch.refs, strict=True):
+                with self._lock:
+                    self._queued_bytes -= self._pending.pop(key_digest(payload.key), 0)
+                if ref is not None:
+                    ref.ref_count_down()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every put queued so far is written, or ``timeout``
+        seconds; False if some were still queued then."""
+        if self._closed:
+            return True
+        return self._worker.flush(timeout)
+
+    def flush_at_exit(self) -> None:
+        """Write the puts still queued, for at most ``EXIT_FLUSH_S``; the
+        interpreter is exiting and close() was not called."""
+        queued = len(self._pending)
+        if self._closed or not queued:
+            return
+        if self.flush(EXIT_FLUSH_S):
+            logger.info("lmcache_tiered: at exit, wrote %d queued puts", queued)
+        else:
+            logger.warning(
+                "lmcache_tiered: at exit, %d puts still queued after %.0f s: lost",
+                len(self._pending),
+                EXIT_FLUSH_S,
+            )
+
+    def close(self) -> None:
+        """Write every queued put, then stop the thread (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._worker.stop()
+
+
+def _flush_at_exit(writer: Writer) -> None:
+    """Have ``writer`` write its queued puts when the interpreter exits.
+
+    vLLM 0.32's LMCacheConnectorV1 never shuts LMCache down, so close() never
+    runs and the daemon writer would die with its queue. The hook runs where
+    ``concurrent.futures`` runs its own: in ``threading._register_atexit``,
+    before Python joins non-daemon threads, because LMCache's storage-manager
+    loop thread never ends and an ``atexit`` hook would never be reached.
+    It holds only a weak reference: a closed, dropped writer costs nothing.
+    """
+    ref = weakref.ref(writer)
+
+    def flush() -> None:
+        if (alive := ref()) is not None:
+            alive.flush_at_exit()
+
+    register = getattr(threading, "_register_atexit", atexit.register)
+    with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+        register(flush)
