@@ -192,6 +192,7 @@ _HOST = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import cache_of
+from lmcache_tiered import testing
 extra = {{
     "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
     "storage_plugin.tiered.class_name": "TieredBackend",
