@@ -41,11 +41,12 @@ tier and puts go to the tiers that work.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -407,6 +408,14 @@ class TieredCache:
         items = [(k, o) for k, o, c in zip(keys, objs, chosen, strict=True) if c]
         self.writer.enqueue(items, callback)
 
+    @contextlib.contextmanager
+    def stores_held(self) -> Iterator[None]:
+        """While held, nothing is written to any tier (puts, demotions and
+        promotions' copies wait): what a tier holds stays as it is, for a
+        consistent look at it (tests, ops)."""
+        with self._store_lock:
+            yield
+
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every put queued so far is written, or ``timeout``
         seconds; False if some were still queued then."""
@@ -425,7 +434,7 @@ class TieredCache:
         """
         cold = self.tiers.get("cold")
         through = self.settings.cold_write_through
-        with self._store_lock:
+        with self.stores_held():
             victims = None
             if cold is not None and not through:
                 victims = self.warm.victims(len(payloads))

@@ -699,7 +699,7 @@ def test_cold_hit_is_copied_to_warm_before_the_callers_buffer_is_reused(
     cache = adapter_cache(adapter)
     assert [cache.tier_of(k) for k in keys] == ["cold"] * 2 + ["warm"] * 2
     dst = [memory_obj() for _ in range(2)]
-    with cache._store_lock:  # no write, the copies' included, until released
+    with cache.stores_held():  # no write, the copies' included, until released
         assert caller.load(keys[:2], dst) == [0, 1]
         for obj, want in zip(dst, src, strict=False):
             assert torch.equal(obj.tensor, want.tensor)

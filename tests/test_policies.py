@@ -150,7 +150,7 @@ def test_session_tracks_bounded_number_of_sessions(view: FakeView) -> None:
         chain = make_keys(2, start=10 * i)
         policy.on_lookup(chain, 0)
         policy.on_store(chain)
-    assert len(policy._sessions) == 3  # type: ignore[attr-defined]
+    assert policy.tracked_sessions == 3  # type: ignore[attr-defined]
 
 
 def test_frequency_keeps_shared_prefix_warm_then_hot(view: FakeView) -> None:

@@ -288,23 +288,7 @@ def test_demand_reads_go_before_a_flood_of_warmup(
     tokens, kv = store_chunks(engine, connector, 12, seed=8)
     keys = testing.chunk_keys(engine, tokens)
     log: list[tuple[str, str]] = []
-    execute = cache.promoter._execute
-
-    def logged_execute(unit: Any) -> None:
-        log.append(("warmup-start", unit.target))
-        execute(unit)
-
-    cache.promoter._execute = logged_execute  # type: ignore[method-assign]
-    read = cache.warm.read
-
-    def logged_read(*args: Any, **kwargs: Any) -> Any:
-        log.append(("read-start", ""))
-        try:
-            return read(*args, **kwargs)
-        finally:
-            log.append(("read-end", ""))
-
-    cache.warm.read = logged_read  # type: ignore[method-assign]
+    cache.promoter.before_unit = lambda target, _: log.append(("warmup-start", target))
     # a flood: every key, to hot, at 5 MB/s so it takes a while
     testing.clear_cpu_tier(engine)
     cache.promoter.submit([Plan(tuple(keys), "hot", time.monotonic() + 60)])

@@ -211,6 +211,11 @@ class SessionPolicy(_Planner):
         self._seq = itertools.count()
         self._gap: float | None = None
 
+    @property
+    def tracked_sessions(self) -> int:
+        """Sessions held (at most ``max_sessions``)."""
+        return len(self._sessions)
+
     def _average(self, old: float | None, sample: float) -> float:
         return sample if old is None else old + self.ewma_alpha * (sample - old)
 

@@ -124,6 +124,9 @@ class Promoter:
         self.tick_s = tick_s
         self.min_precision = min_precision
         self.stats = WarmupStats()
+        #: called on the promoter's thread as a unit of work starts, with its
+        #: target tier and keys (tracing; tests check its ordering)
+        self.before_unit: Callable[[str, tuple[StoreKey, ...]], None] | None = None
         #: settled promotions to hot, oldest first: used (True) or wasted
         self._outcomes: deque[bool] = deque(maxlen=GUARD_WINDOW)
         self._units = itertools.count()
@@ -236,6 +239,8 @@ class Promoter:
                 if self._held_back():
                     self.stats.held_back += len(unit.keys)
                 else:
+                    if self.before_unit is not None:
+                        self._guard(self.before_unit, unit.target, unit.keys)
                     self._guard(self._execute, unit)
                 with self._cond:
                     self._inflight.clear()
