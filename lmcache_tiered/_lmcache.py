@@ -192,8 +192,9 @@ def engine_instances() -> dict[str, Any]:
 def cpu_pool_buffer(hot: Any) -> torch.Tensor | None:
     """The tensor behind LMCache's CPU tier (``memory_allocator.buffer``), or
     None for an allocator without one (paged, lazy): registering it as
-    io_uring fixed buffers lets reads land in any of its MemoryObjs at ~1 %
-    CPU, and LMCache offers no other way to learn where the pool is."""
+    io_uring fixed buffers lets reads land in any of its MemoryObjs without
+    pinning pages per request, and LMCache offers no other way to learn where
+    the pool is."""
     buffer = getattr(getattr(hot, "memory_allocator", None), "buffer", None)
     return buffer if isinstance(buffer, torch.Tensor) else None
 
