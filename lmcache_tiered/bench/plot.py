@@ -127,10 +127,9 @@ def draw_concurrencies(
             color = palette(j % 10)
             ran = [(i, at[n, level]) for i, n in enumerate(names) if (n, level) in at]
             xs = [i + (j - (len(levels) - 1) / 2) * width for i, _ in ran]
-            medians = [row[key]["median"] for _, row in ran]
-            bars = axes.bar(
+            axes.bar(
                 xs,
-                medians,
+                [row[key]["median"] for _, row in ran],
                 width,
                 color=color,
                 label=f"concurrency {level}",
@@ -140,7 +139,8 @@ def draw_concurrencies(
             )
             for x, (_, row) in zip(xs, ran, strict=True):
                 spread = row[key]
-                if row["runs"] > 1:
+                ranged = row["runs"] > 1
+                if ranged:
                     axes.errorbar(
                         x,
                         spread["median"],
@@ -152,17 +152,21 @@ def draw_concurrencies(
                         ecolor="black",
                         capsize=3,
                     )
+                axes.annotate(
+                    _change_label(row, reference, key),
+                    (x, spread["max"] if ranged else spread["median"]),
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
             base = at.get((reference, level))
             if base is not None:
                 axes.axhline(
                     base[key]["median"], color=color, linestyle="--", linewidth=1
                 )
-            axes.bar_label(
-                bars,
-                [_change_label(row, reference, key) for _, row in ran],
-                padding=2,
-                fontsize=8,
-            )
+        axes.set_ylim(0, 1.12 * max(row[key]["max"] for row in rows))
         axes.set_xticks(
             range(len(names)),
             [f"{n}\n({marks[n][1]})" if n in marks else n for n in names],
@@ -173,14 +177,15 @@ def draw_concurrencies(
         axes.set_ylabel(unit)
         axes.set_title(heading)
         axes.grid(alpha=0.3, axis="y")
-        axes.legend(fontsize=9)
+    handles, labels = panels[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(levels), fontsize=9)
     figure.suptitle(
         f"{title}\nbars: median over the runs, error bars: lowest..highest run; "
         f"% above a bar: its change against {reference} (dashed line), run by run",
         fontsize=10,
         wrap=True,
     )
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.05, 1, 1))  # the legend below the panels
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
