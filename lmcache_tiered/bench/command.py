@@ -253,7 +253,8 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="run the variants N times, interleaved, and report medians (default: 1)",
+        help="run the variants N times (at each --concurrency), interleaved, and "
+        "report medians (default: 1)",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the results as JSON")

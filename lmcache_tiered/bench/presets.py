@@ -18,7 +18,8 @@ Every assumption:
   budget, so the seed's baseline must recompute; recomputing a 96k context
   alone takes 7.3 s in the profile's model, so the band's low end (10 s)
   is a long context recomputed with a little queueing (assumed, not fitted);
-- concurrency: the seed's 8 (default) and 16 (``--concurrency 16``);
+- concurrency: the seed's 8 (default) and 16; ``--concurrency 8,16`` runs
+  both and prints the seed's table over them;
 - cold tier: NVMe-oF at the seed's parallel-read bandwidth, 5.23 GB/s, plus
   0.1 ms per transfer (assumed: NVMe-oF over TCP);
 - warm tier: local NVMe at the same 5.23 GB/s (assumed: the seed's drives);
