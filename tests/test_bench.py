@@ -24,6 +24,7 @@ from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import (
     command,
     diskbench,
+    plot,
     presets,
     report,
     scenario,
@@ -539,6 +540,144 @@ def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(
     assert [m["warmup"]["policy"] for m in twin["backend_metrics"]] == ["none"] * 2
 
 
+def test_several_concurrencies_run_each_and_print_the_seeds_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--concurrency 1,2``: every variant at each concurrency, each
+    concurrency's table, then the seed's table over both, the JSON per
+    concurrency, one picture of both."""
+    ran: list[tuple[int, str]] = []
+    run_variant = variants.run_variant
+
+    def recorded(name: str, setup: scenario.Setup, *args: Any) -> report.RunResult:
+        ran.append((setup.concurrency, name))
+        return run_variant(name, setup, *args)
+
+    monkeypatch.setattr(variants, "run_variant", recorded)
+    out, picture = tmp_path / "r.json", tmp_path / "both.png"
+    argv = bench_argv(tmp_path, session_trace(tmp_path))
+    assert argv[-2:] == ["--concurrency", "2"]
+    argv[-1] = "1,2"
+    extra = ["--policies", "none", "--repeat", "2", "--json", str(out)]
+    assert cli.main([*argv, *extra, "--plot", str(picture)]) == 0
+    names = ["none", NO_EXTERNAL_CACHE, variants.LOCAL_DISK]
+    # the same rounds at each concurrency, one after the other
+    rotated = names + names[1:] + names[:1]
+    assert ran == [(1, n) for n in rotated] + [(2, n) for n in rotated]
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert "concurrency 1:" in lines and "concurrency 2:" in lines
+    assert printed.count("change vs none, paired runs") == 2
+    for level in (1, 2):
+        assert f"{NO_EXTERNAL_CACHE}, concurrency {level}): TTFT p50" in printed
+    [head] = [i for i, line in enumerate(lines) if line.startswith("seed's table:")]
+    assert lines.index("concurrency 2:") < head
+    assert "median (lowest..highest) of 2 runs" in lines[head]
+    header = lines[head + 1].split()
+    assert header[:5] == ["variant", "concurrency", "TTFT", "p50", "p90"]
+    assert f"vs {NO_EXTERNAL_CACHE}" in lines[head + 1]
+    rows = [line.split() for line in lines[head + 3 : head + 3 + 2 * len(names)]]
+    assert [(r[0], r[1]) for r in rows] == [(n, c) for n in names for c in "12"]
+    document = json.loads(out.read_text())
+    assert document["config"]["concurrency"] == [1, 2]
+    assert list(document["by_concurrency"]) == ["1", "2"]
+    for level, each in document["by_concurrency"].items():
+        # each is the document a run at that one concurrency writes
+        assert set(each) == {"config", "policies", "unavailable"}
+        assert each["config"]["concurrency"] == int(level)
+        assert list(each["policies"]) == names
+    table = document["seed_table"]
+    assert [(r["variant"], r["concurrency"]) for r in table] == [
+        (n, c) for n in names for c in (1, 2)
+    ]
+    for row, cells in zip(table, rows, strict=True):
+        entry = document["by_concurrency"][str(row["concurrency"])]["policies"]
+        runs = entry[row["variant"]]["per_run"]["ttft_p50_s"]
+        p50 = row["ttft_p50_s"]
+        assert (p50["min"], p50["max"]) == (min(runs), max(runs))
+        assert cells[2:4] == [
+            f"{p50['median']:.2f}s",
+            f"({p50['min']:.2f}..{p50['max']:.2f})",
+        ]
+        base = entry[NO_EXTERNAL_CACHE]["per_run"]["ttft_p50_s"]
+        change = row["change_vs"][NO_EXTERNAL_CACHE]
+        if row["variant"] == NO_EXTERNAL_CACHE:
+            assert change is None
+        else:
+            paired = [v / b - 1 for v, b in zip(runs, base, strict=True)]
+            assert change["ttft_p50_s"]["min"] == pytest.approx(min(paired))
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.stat().st_size > 20_000  # two panels of bars, not a blank page
+
+
+@pytest.mark.parametrize("given", ["0", "8,x", "8,,-1", "8,8"])
+def test_a_bad_concurrency_list_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    argv = bench_argv(tmp_path, session_trace(tmp_path))
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*argv[:-1], given])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --concurrency: {given!r}" in err
+    assert "e.g. 8 or 8,16" in err or "given twice" in err
+
+
+def test_seed_table_ranges_and_changes_against_both_references() -> None:
+    def entry(ttft: list[float], tps: list[float]) -> dict[str, Any]:
+        per_run = {"ttft_p50_s": ttft, "ttft_p90_s": ttft, "throughput_tps": tps}
+        return {"runs": len(ttft), "per_run": per_run}
+
+    by_concurrency = {
+        8: {
+            "none": entry([20.0, 30.0], [100.0, 90.0]),
+            "hinted": entry([10.0, 24.0], [120.0, 98.0]),
+            NO_EXTERNAL_CACHE: entry([16.0, 20.0], [100.0, 100.0]),
+        },
+        16: {"hinted": entry([5.0, 7.0], [200.0, 220.0])},
+    }
+    references = (NO_EXTERNAL_CACHE, "none")
+    rows = report.seed_rows(by_concurrency, references)
+    assert [(r["variant"], r["concurrency"]) for r in rows] == [
+        ("none", 8),
+        ("hinted", 8),
+        ("hinted", 16),
+        (NO_EXTERNAL_CACHE, 8),
+    ]
+    hinted = rows[1]
+    assert hinted["ttft_p50_s"] == {"median": 17.0, "min": 10.0, "max": 24.0}
+    vs_gpu = hinted["change_vs"][NO_EXTERNAL_CACHE]["ttft_p50_s"]
+    assert (vs_gpu["min"], vs_gpu["max"]) == pytest.approx((-0.375, 0.2))
+    assert hinted["change_vs"]["none"]["throughput_tps"]["max"] == pytest.approx(0.2)
+    assert rows[2]["change_vs"] == {NO_EXTERNAL_CACHE: None, "none": None}
+    text = report.seed_table(rows, references).splitlines()
+    assert text[0].split()[:2] == ["variant", "concurrency"]
+    assert text[3].split() == [
+        "hinted",
+        "8",
+        "17.00s",
+        "(10.00..24.00)",
+        "17.00s",
+        "(10.00..24.00)",
+        "109",
+        "(98..120)",
+        "-9%",
+        "(-38..+20)",
+        "+9%",
+        "(-2..+20)",
+        "-35%",
+        "(-50..-20)",
+        "+14%",
+        "(+9..+20)",
+    ]
+    assert text[4].split()[-4:] == ["-", "-", "-", "-"]
+    # one run: the value alone, no range
+    one = {"runs": 1, "ttft_p50_s": 2.0, "ttft_p90_s": 3.0, "throughput_tps": 50.0}
+    rows = report.seed_rows({8: {"none": one}}, references)
+    line = report.seed_table(rows, references).splitlines()[2]
+    assert line.split() == ["none", "8", "2.00s", "3.00s", "50", "-", "-", "-", "-"]
+
+
 def test_percentile_interpolates() -> None:
     assert report.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
     assert report.percentile([5.0], 99) == 5.0
@@ -555,7 +694,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     }
     path = tmp_path / "bench.png"
     runs = {"none": [result, result], "stock": [stock]}
-    report.plot(str(path), runs, summaries, clock=8, title="A vs B", baseline="stock")
+    plot.draw_run(str(path), runs, summaries, clock=8, title="A vs B", baseline="stock")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

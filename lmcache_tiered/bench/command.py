@@ -12,15 +12,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from lmcache_tiered.bench import presets, report, trace, variants
+from lmcache_tiered.bench import plot, presets, report, trace, variants
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.link import LinkModel
 from lmcache_tiered.bench.profiles import DEFAULT_PROFILE, PROFILES
 from lmcache_tiered.bench.report import RunResult
 from lmcache_tiered.bench.scenario import (
+    Setup,
     Workload,
     check_space,
     compared,
@@ -137,10 +139,13 @@ def add_parser(subparsers: Any) -> None:
     )
     model.add_argument(
         "--concurrency",
-        type=int,
-        default=8,
-        metavar="N",
-        help="request slots, vLLM's max_num_seqs (default: 8)",
+        type=_concurrency_arg,
+        default=(8,),
+        metavar="N[,N...]",
+        help="request slots, vLLM's max_num_seqs (default: 8); several, e.g. "
+        "8,16: the variants run at each (--repeat times), each concurrency's "
+        "results are printed, then the seed's table over all of them, and the "
+        "picture shows them side by side",
     )
     model.add_argument(
         "--token-budget",
@@ -248,7 +253,8 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="run the variants N times, interleaved, and report medians (default: 1)",
+        help="run the variants N times (at each --concurrency), interleaved, and "
+        "report medians (default: 1)",
     )
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -287,6 +293,19 @@ def _link_arg(text: str) -> LinkModel | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _concurrency_arg(text: str) -> tuple[int, ...]:
+    values = split_list(text)
+    if not values or not all(v.isdigit() and int(v) >= 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give request slots as whole numbers of at least 1, "
+            "comma-separated, e.g. 8 or 8,16"
+        )
+    levels = tuple(int(v) for v in values)
+    if len(set(levels)) < len(levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: a concurrency is given twice")
+    return levels
+
+
 def _adapter_arg(text: str) -> dict[str, Any]:
     try:
         spec: dict[str, Any] = SETTINGS["cold.adapter"].parse("--cold-adapter", text)
@@ -313,14 +332,15 @@ def check_plot_path(path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run every variant on the same workload; print, and write JSON/PNG."""
+    """Run every variant on the same workload at each concurrency; print,
+    and write JSON/PNG."""
     presets.apply(args.preset, args, args.preset_defaults, PRESET_PARSE)
     policies = split_list(args.policies) if args.policies else default_policies()
-    plot = None if args.plot == "none" else args.plot
+    plot_path = None if args.plot == "none" else args.plot
     try:
-        if plot is not None:
-            check_plot_path(plot)
-        for option in ("repeat", "concurrency", "token_budget"):
+        if plot_path is not None:
+            check_plot_path(plot_path)
+        for option in ("repeat", "token_budget"):
             if getattr(args, option) < 1:
                 raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
         requests = load_requests(args)
@@ -331,39 +351,131 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
+    setups = [replace(setup, concurrency=c) for c in args.concurrency]
     source = args.trace or (
         f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"
     )
-    print(describe(setup, requests, source), flush=True)
+    print(describe(setup, requests, source, args.concurrency), flush=True)
     baselines = [] if args.no_baseline else [NO_EXTERNAL_CACHE, LOCAL_DISK]
     names = number_twins(
         policies + [name for name in baselines if name not in policies]
     )
-    runs: dict[str, list[RunResult]] = {}
-    unavailable: dict[str, str] = {}
     workload = Workload.build(requests, setup.shape, args.seed)
-    total = len(names) * args.repeat
+    runs, unavailable = run_rounds(names, setups, workload, args.repeat)
+    several = len(setups) > 1
+    by_concurrency: dict[int, dict[str, dict[str, Any]]] = {}
+    for each in setups:
+        if several:
+            print(f"\nconcurrency {each.concurrency}:")
+        by_concurrency[each.concurrency] = report_concurrency(
+            runs[each.concurrency], each, args.repeat, policies
+        )
+    for name, reason in unavailable.items():
+        print(f"{name}: not run ({reason})")
+    rows = report.seed_rows(by_concurrency, REFERENCES)
+    if several:
+        print()
+        print(
+            "seed's table: TTFT p50, p90 and tok/s per variant and concurrency, "
+            "and the change against the seed's baseline and against none, run by "
+            "run"
+            + (
+                f"; median (lowest..highest) of {args.repeat} runs"
+                if args.repeat > 1
+                else "; one run each"
+            )
+        )
+        print(report.seed_table(rows, REFERENCES))
+    title = compared(setup, any(LOCAL_DISK in s for s in by_concurrency.values()))
+    if args.json:
+        documents = {
+            c: {
+                "config": config_json(each, requests, source, args),
+                "policies": by_concurrency[c],
+                "unavailable": unavailable,
+            }
+            for c, each in zip(by_concurrency, setups, strict=True)
+        }
+        report.write_json(
+            args.json,
+            {
+                "config": {
+                    **config_json(setup, requests, source, args),
+                    "concurrency": list(args.concurrency),
+                },
+                "by_concurrency": {str(c): doc for c, doc in documents.items()},
+                "seed_table": rows,
+            }
+            if several
+            else documents[setup.concurrency],
+        )
+    if plot_path is not None and rows:
+        if several:
+            plot.draw_concurrencies(
+                plot_path, rows, title, LOCAL_DISK, NO_EXTERNAL_CACHE
+            )
+        else:
+            plot.draw_run(
+                plot_path,
+                runs[setup.concurrency],
+                by_concurrency[setup.concurrency],
+                setup.clock,
+                title,
+                LOCAL_DISK,
+            )
+        print(f"picture: {os.path.abspath(plot_path)}")
+    return 1 if unavailable else 0
+
+
+#: What the seed's table compares each variant with: the seed's baseline, and
+#: our tiers without warm-up.
+REFERENCES = (NO_EXTERNAL_CACHE, "none")
+
+
+def run_rounds(
+    names: Sequence[str], setups: Sequence[Setup], workload: Workload, repeat: int
+) -> tuple[dict[int, dict[str, list[RunResult]]], dict[str, str]]:
+    """Every variant ``repeat`` times at each setup's concurrency, in turn;
+    the results per concurrency and variant, and the variants that could not
+    run (not tried again) with the reason."""
+    runs: dict[int, dict[str, list[RunResult]]] = {s.concurrency: {} for s in setups}
+    unavailable: dict[str, str] = {}
+    total = len(names) * repeat * len(setups)
     # interleaved, each round starting one variant later (A B C, B C A, ...):
     # drift of the disk or of other load on the machine then touches every
     # variant alike, and no variant always runs first
     rounds = (
-        (r, names[(r + i) % len(names)])
-        for r in range(args.repeat)
+        (setup, r, names[(r + i) % len(names)])
+        for setup in setups
+        for r in range(repeat)
         for i in range(len(names))
     )
-    for number, (repeat, name) in enumerate(rounds, 1):
+    for number, (setup, r, name) in enumerate(rounds, 1):
         if name in unavailable:
             continue
         label = f"[{number}/{total}] {name}"
-        if args.repeat > 1:
-            label += f" ({repeat + 1}/{args.repeat})"
+        if len(setups) > 1:
+            label += f" c{setup.concurrency}"
+        if repeat > 1:
+            label += f" ({r + 1}/{repeat})"
         try:
             result = variants.run_variant(name, setup, workload, label)
         except VariantUnavailable as exc:
             unavailable[name] = str(exc)
             print(f"{label}: skipped: {exc}", file=sys.stderr)
             continue
-        runs.setdefault(name, []).append(result)
+        runs[setup.concurrency].setdefault(name, []).append(result)
+    return runs, unavailable
+
+
+def report_concurrency(
+    runs: Mapping[str, Sequence[RunResult]],
+    setup: Setup,
+    repeat: int,
+    policies: Sequence[str],
+) -> dict[str, dict[str, Any]]:
+    """Print one concurrency's table, summary, spread table, targets and lag
+    notes; its summaries per variant (the JSON's ``policies``)."""
     summaries = {
         name: report.combine([report.summarize(r, setup.clock) for r in results])
         for name, results in runs.items()
@@ -382,8 +494,8 @@ def main(args: argparse.Namespace) -> int:
     )
     if line is not None:
         print(line)
-    if args.repeat > 1:
-        print(f"(medians of {args.repeat} interleaved runs per variant)")
+    if repeat > 1:
+        print(f"(medians of {repeat} interleaved runs per variant)")
         changes = report.paired_changes(summaries)
         if changes:
             print()
@@ -416,25 +528,4 @@ def main(args: argparse.Namespace) -> int:
                 "the modelled GPU (real work slower than modelled: a busy or slow "
                 "machine), so background I/O had extra time; rerun on an idle one"
             )
-    for name, reason in unavailable.items():
-        print(f"{name}: not run ({reason})")
-    if args.json:
-        report.write_json(
-            args.json,
-            {
-                "config": config_json(setup, requests, source, args),
-                "policies": summaries,
-                "unavailable": unavailable,
-            },
-        )
-    if plot is not None and runs:
-        report.plot(
-            plot,
-            runs,
-            summaries,
-            setup.clock,
-            compared(setup, LOCAL_DISK in summaries),
-            LOCAL_DISK,
-        )
-        print(f"picture: {os.path.abspath(plot)}")
-    return 1 if unavailable else 0
+    return summaries

@@ -18,7 +18,8 @@ Every assumption:
   budget, so the seed's baseline must recompute; recomputing a 96k context
   alone takes 7.3 s in the profile's model, so the band's low end (10 s)
   is a long context recomputed with a little queueing (assumed, not fitted);
-- concurrency: the seed's 8 (default) and 16 (``--concurrency 16``);
+- concurrency: the seed's 8 (default) and 16; ``--concurrency 8,16`` runs
+  both and prints the seed's table over them;
 - cold tier: NVMe-oF at the seed's parallel-read bandwidth, 5.23 GB/s, plus
   0.1 ms per transfer (assumed: NVMe-oF over TCP);
 - warm tier: local NVMe at the same 5.23 GB/s (assumed: the seed's drives);
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.report import percentile
+from lmcache_tiered.bench.report import spread
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +91,6 @@ def apply(
             setattr(args, dest, parse[dest](value) if dest in parse else value)
 
 
-def _range(values: Sequence[float]) -> tuple[float, float, float]:
-    return percentile(list(values), 50), min(values), max(values)
-
-
 def targets_line(
     summaries: Mapping[str, Mapping[str, Any]],
     changes: Mapping[str, Mapping[str, Sequence[float]]],
@@ -130,10 +127,10 @@ def targets_line(
             ("ttft_p50_s", "TTFT p50", -1),
             ("throughput_tps", "tok/s", 1),
         ):
-            if not twin[key] or not mine[key]:
+            mine_runs, twin_runs = spread(mine[key]), spread(twin[key])
+            if mine_runs is None or twin_runs is None:
                 continue
-            median, _, _ = _range(mine[key])
-            _, low, high = _range(twin[key])
+            median, low, high = mine_runs["median"], twin_runs["min"], twin_runs["max"]
             beyond = median * better > 0 and not low <= median <= high
             parts.append(
                 f"{best} vs none {label} {100 * median:+.0f}% against A/A "

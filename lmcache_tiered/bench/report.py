@@ -1,5 +1,6 @@
-"""What a bench run measured, and how it is shown: table, summary line, JSON,
-picture, progress (tables and progress bars by rich, the picture by matplotlib).
+"""What a bench run measured, and how it is shown: tables, summary line, the
+seed's table over concurrencies, JSON, progress (by rich; the picture is
+:mod:`lmcache_tiered.bench.plot`'s).
 
 Times in summaries are production seconds: the replay's GPU-clock times
 multiplied by the clock factor (see :mod:`lmcache_tiered.bench.profiles`).
@@ -33,7 +34,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,7 +181,7 @@ def _change(value: float, base: float | None) -> float | None:
     return None if base is None or base == 0 else value / base - 1.0
 
 
-def _delta(value: float, base: float | None) -> str:
+def delta(value: float, base: float | None) -> str:
     change = _change(value, base)
     return "-" if change is None else f"{100.0 * change:+.0f}%"
 
@@ -236,8 +237,8 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
             read,
             _fmt(s["warmup_precision"], ".2f"),
             _fmt(s["warmup_timeliness"], ".2f"),
-            _delta(s["ttft_p50_s"], base_ttft),
-            _delta(s["throughput_tps"], base_tps),
+            delta(s["ttft_p50_s"], base_ttft),
+            delta(s["throughput_tps"], base_tps),
         )
     return render(out)
 
@@ -286,47 +287,164 @@ PAIRED = {
 }
 
 
+def run_values(summary: Mapping[str, Any], key: str) -> list[float]:
+    """A number of :data:`PER_RUN`, run by run: the repeated variant's
+    ``per_run`` list, or the one run's value."""
+    per_run = summary.get("per_run")
+    return list(per_run[key]) if per_run else [summary[key]]
+
+
+def paired(
+    summary: Mapping[str, Any], base: Mapping[str, Any], key: str
+) -> list[float]:
+    """The relative change of ``key`` against ``base``, run i against run i
+    (interleaved runs share the machine's state)."""
+    return [
+        value / ref - 1.0
+        for value, ref in zip(
+            run_values(summary, key), run_values(base, key), strict=False
+        )
+        if ref
+    ]
+
+
 def paired_changes(
     summaries: Mapping[str, Mapping[str, Any]], reference: str = "none"
 ) -> dict[str, dict[str, list[float]]]:
     """Per variant and number of :data:`PAIRED`, the relative change against
-    ``reference`` run by run (run i of each against run i of the reference:
-    interleaved runs share the machine's state). Empty without repeats."""
+    ``reference`` run by run (:func:`paired`). Empty without repeats."""
     base = summaries.get(reference)
     if base is None or "per_run" not in base:
         return {}
-    changes: dict[str, dict[str, list[float]]] = {}
-    for name, s in summaries.items():
-        if name == reference or "per_run" not in s:
-            continue
-        changes[name] = {
-            key: [
-                value / ref - 1.0
-                for value, ref in zip(
-                    s["per_run"][key], base["per_run"][key], strict=False
-                )
-                if ref
-            ]
-            for key in PAIRED.values()
-        }
-    return changes
+    return {
+        name: {key: paired(s, base, key) for key in PAIRED.values()}
+        for name, s in summaries.items()
+        if name != reference and "per_run" in s
+    }
+
+
+#: The seed's table's numbers per variant and concurrency, and those of them
+#: also given as the change against each reference.
+SEED_NUMBERS = {
+    "TTFT p50": "ttft_p50_s",
+    "p90": "ttft_p90_s",
+    "tok/s": "throughput_tps",
+}
+SEED_CHANGES = {"TTFT p50": "ttft_p50_s", "tok/s": "throughput_tps"}
+
+
+def spread(values: Sequence[float]) -> dict[str, float] | None:
+    """Median, lowest and highest of the runs' ``values``; None for none."""
+    if not values:
+        return None
+    return {
+        "median": percentile(list(values), 50),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def spread_text(
+    spread: Mapping[str, float] | None,
+    show: Callable[[float], str],
+    unit: str = "",
+    ranged: bool = True,
+) -> str:
+    """A :func:`spread` as median (lowest..highest), or the median alone
+    where not ``ranged`` (one run); "-" for none."""
+    if spread is None:
+        return "-"
+    text = show(spread["median"]) + unit
+    if not ranged:
+        return text
+    return f"{text} ({show(spread['min'])}..{show(spread['max'])})"
+
+
+def _percent(change: float) -> str:
+    return f"{100 * change:+.0f}"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f}"
+
+
+def _tokens(value: float) -> str:
+    return f"{value:.0f}"
 
 
 def spread_table(changes: Mapping[str, Mapping[str, Sequence[float]]]) -> str:
     """The paired changes as median (lowest..highest) per variant: a change
     whose range spans zero is within the run-to-run noise."""
-
-    def cell(values: Sequence[float]) -> str:
-        if not values:
-            return "-"
-        median = percentile(list(values), 50)
-        return (
-            f"{100 * median:+.0f}% ({100 * min(values):+.0f}..{100 * max(values):+.0f})"
-        )
-
     out = numbers_table("change vs none, paired runs", *PAIRED)
     for name, by_key in changes.items():
-        out.add_row(name, *(cell(by_key[k]) for k in PAIRED.values()))
+        out.add_row(
+            name,
+            *(spread_text(spread(by_key[k]), _percent, "%") for k in PAIRED.values()),
+        )
+    return render(out)
+
+
+def seed_rows(
+    by_concurrency: Mapping[int, Mapping[str, Mapping[str, Any]]],
+    references: Sequence[str],
+) -> list[dict[str, Any]]:
+    """The seed's table as data (the JSON's ``seed_table``): one row per
+    variant and concurrency, variants in their first run's order; each of
+    :data:`SEED_NUMBERS` as median, min and max over the runs, and each of
+    :data:`SEED_CHANGES` as the paired change against each of ``references``
+    that ran at that concurrency (None for the reference itself)."""
+    names = list(dict.fromkeys(n for s in by_concurrency.values() for n in s))
+    rows = []
+    for name in names:
+        for concurrency, summaries in by_concurrency.items():
+            if name not in summaries:
+                continue
+            s = summaries[name]
+            row: dict[str, Any] = {
+                "variant": name,
+                "concurrency": concurrency,
+                "runs": s["runs"],
+            }
+            for key in SEED_NUMBERS.values():
+                row[key] = spread(run_values(s, key))
+            row["change_vs"] = {
+                ref: None
+                if ref == name or ref not in summaries
+                else {
+                    key: spread(paired(s, summaries[ref], key))
+                    for key in SEED_CHANGES.values()
+                }
+                for ref in references
+            }
+            rows.append(row)
+    return rows
+
+
+def seed_table(rows: Sequence[Mapping[str, Any]], references: Sequence[str]) -> str:
+    """:func:`seed_rows` as text: median (lowest..highest) over the runs."""
+    out = numbers_table(
+        "variant",
+        "concurrency",
+        *SEED_NUMBERS,
+        *(f"{label} vs {ref}" for ref in references for label in SEED_CHANGES),
+    )
+    for row in rows:
+        ranged = row["runs"] > 1
+        cells = [
+            spread_text(row[key], show, unit, ranged)
+            for key, show, unit in (
+                ("ttft_p50_s", _seconds, "s"),
+                ("ttft_p90_s", _seconds, "s"),
+                ("throughput_tps", _tokens, ""),
+            )
+        ]
+        for ref in references:
+            changes = row["change_vs"][ref] or {}
+            cells += [
+                spread_text(changes.get(key), _percent, "%", ranged)
+                for key in SEED_CHANGES.values()
+            ]
+        out.add_row(row["variant"], str(row["concurrency"]), *cells)
     return render(out)
 
 
@@ -334,81 +452,6 @@ def write_json(path: str, document: Mapping[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as out:
         json.dump(document, out, indent=2, sort_keys=False)
         out.write("\n")
-
-
-def plot(
-    path: str,
-    runs: Mapping[str, Sequence[RunResult]],
-    summaries: Mapping[str, Mapping[str, Any]],
-    clock: float,
-    title: str,
-    baseline: str,
-) -> None:
-    """The run as a PNG: TTFT CDF per variant, all its runs pooled; TTFT p50
-    and token throughput bars, each labelled with its change against
-    ``baseline`` (drawn grey and dashed) where it ran."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    names = list(summaries)
-    shown = {n: f"{n} (stock)" if n == baseline else n for n in names}
-    palette = plt.get_cmap("tab10")
-    colors = {
-        name: "0.45" if name == baseline else palette(i % 10)
-        for i, name in enumerate(names)
-    }
-    figure, (cdf, ttft_bars, tps_bars) = plt.subplots(
-        1, 3, figsize=(16, 5.5), gridspec_kw={"width_ratios": [1.5, 1, 1]}
-    )
-    for name in names:
-        values = sorted(t for result in runs[name] for t in ttfts(result, clock))
-        shares = [(i + 1) / len(values) for i in range(len(values))]
-        cdf.step(
-            values,
-            shares,
-            where="post",
-            label=shown[name],
-            color=colors[name],
-            linestyle="--" if name == baseline else "-",
-            linewidth=2.2 if name == baseline else 1.6,
-        )
-    cdf.set_xscale("log")
-    cdf.axhline(0.5, color="0.7", linewidth=0.8, linestyle=":")
-    cdf.set_xlabel("TTFT, production seconds (log scale)")
-    cdf.set_ylabel("share of requests")
-    cdf.set_title("TTFT CDF (left and up is better)")
-    cdf.grid(alpha=0.3, which="both")
-    cdf.legend(fontsize=9)
-    base = summaries.get(baseline)
-    for axes, key, unit, better in (
-        (ttft_bars, "ttft_p50_s", "s", "lower"),
-        (tps_bars, "throughput_tps", "tok/s", "higher"),
-    ):
-        values = [summaries[n][key] for n in names]
-        bars = axes.barh(
-            [shown[n] for n in names], values, color=[colors[n] for n in names]
-        )
-        labels = [f"{v:.2f}" if unit == "s" else f"{v:.0f}" for v in values]
-        if base is not None:
-            labels = [
-                text if name == baseline else f"{text} ({_delta(v, base[key])})"
-                for text, name, v in zip(labels, names, values, strict=True)
-            ]
-        axes.bar_label(bars, labels, padding=3, fontsize=9)
-        axes.invert_yaxis()  # first variant on top, as in the table
-        axes.set_xlim(0, max(values) * 1.35)
-        axes.set_xlabel(unit)
-        axes.set_title(
-            f"{'TTFT p50' if unit == 's' else 'Throughput'} ({better} is better)"
-            + ("\n% against the stock backend" if base is not None else "")
-        )
-        axes.grid(alpha=0.3, axis="x")
-    figure.suptitle(title, fontsize=10, wrap=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 class Progress:

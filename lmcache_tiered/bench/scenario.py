@@ -17,7 +17,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,7 +171,8 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
     return Setup(
         profile=profile,
         shape=shape,
-        concurrency=args.concurrency,
+        # the first of --concurrency's values; the bench replaces it for the others
+        concurrency=args.concurrency[0],
         token_budget=args.token_budget,
         hot_gb=(max(unique / 4, staging) / GIB) if args.hot_gb is None else args.hot_gb,
         staging_gb=staging / GIB,
@@ -198,7 +199,14 @@ def gpu_kv_tokens(profile: ModelProfile, gb: float | None) -> int:
     return int(gb * 1e9 // profile.kv_bytes_per_token)
 
 
-def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
+def describe(
+    setup: Setup,
+    requests: list[trace.Request],
+    source: str,
+    concurrencies: Sequence[int] = (),
+) -> str:
+    """The run in words; ``concurrencies``: the levels it runs at (default:
+    the setup's)."""
     shape, profile = setup.shape, setup.profile
     unique = trace.unique_tokens(requests) * shape.bytes_per_token
     link = f"; cold link model: {setup.cold_link}" if setup.cold_link else ""
@@ -226,7 +234,8 @@ def describe(setup: Setup, requests: list[trace.Request], source: str) -> str:
             f"tiers: hot {setup.hot_gb:.2f} GiB CPU, warm {','.join(setup.warm_paths)}"
             f" ({setup.warm_gb:.1f} GiB), cold {cold}, io engine "
             f"{setup.io_engine}{link}; "
-            f"concurrency {setup.concurrency}; vLLM's GPU prefix cache "
+            f"concurrency {', '.join(map(str, concurrencies or [setup.concurrency]))}; "
+            "vLLM's GPU prefix cache "
             f"{setup.gpu_kv_tokens:,} tokens "
             f"({setup.gpu_kv_tokens * profile.kv_bytes_per_token / 1e9:.1f} GB "
             "per rank in production) in front of every variant",
