@@ -41,20 +41,27 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-class Redis:
-    """A redis-server of our own on a free loopback port, no persistence."""
+def free_port() -> int:
+    """A loopback port no one listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+
+class Redis:
+    """A redis-server of our own on a free loopback port, no persistence;
+    ``options`` are more of redis-server's flags (a cluster node's)."""
+
+    def __init__(self, *options: str) -> None:
+        self.port = free_port()
+        self.options = options
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-            + ["--save", "", "--appendonly", "no"],
+            + ["--save", "", "--appendonly", "no", *self.options],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -101,8 +108,9 @@ def redis() -> Iterator[Redis]:
 
 
 def store_engine(
-    engine_factory: EngineFactory, warm: Path, redis: Redis, **settings: Any
+    engine_factory: EngineFactory, warm: Path, adapter: str, **settings: Any
 ) -> tuple[Any, Any, Any]:
+    """An engine whose cold tier is the store ``adapter`` (its JSON) names."""
     warm.mkdir(exist_ok=True)
     extra = {
         "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
@@ -110,7 +118,7 @@ def store_engine(
         "tiered.warm.paths": [str(warm)],
         "tiered.warm.capacity_gb": TWO_CHUNKS_GB,
         "tiered.warmup.policy": "none",
-        "tiered.cold.adapter": redis.adapter,
+        "tiered.cold.adapter": adapter,
     }
     extra.update({f"tiered.{k}": v for k, v in settings.items()})
     engine, connector = engine_factory(extra, chunk_size=CHUNK)
@@ -142,7 +150,9 @@ def test_config_refuses_both_cold_tiers_and_bad_json(tmp_path: Path) -> None:
 def test_warm_too_small_demotes_to_redis_and_a_new_cache_is_served_from_it(
     engine_factory: EngineFactory, tmp_path: Path, redis: Redis
 ) -> None:
-    engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
+    engine, connector, cache = store_engine(
+        engine_factory, tmp_path / "a", redis.adapter
+    )
     first, first_kv = store_chunks(engine, connector, 2, seed=1)
     second, second_kv = store_chunks(engine, connector, 2, seed=11)
     first_keys = testing.chunk_keys(engine, first)
@@ -162,7 +172,9 @@ def test_warm_too_small_demotes_to_redis_and_a_new_cache_is_served_from_it(
     testing.destroy_all_engines()
 
     # a new cache with an empty warm tier finds them all in Redis
-    engine, connector, cache = store_engine(engine_factory, tmp_path / "b", redis)
+    engine, connector, cache = store_engine(
+        engine_factory, tmp_path / "b", redis.adapter
+    )
     assert testing.lookup(engine, second) == 2 * CHUNK
     out, mask = testing.retrieve_tokens(engine, second, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, second_kv)
@@ -178,7 +190,7 @@ def test_write_through_puts_every_chunk_in_redis(
     engine, connector, cache = store_engine(
         engine_factory,
         tmp_path / "a",
-        redis,
+        redis.adapter,
         **{"cold.write": "through", "warm.capacity_gb": 0.25},
     )
     tokens, _ = store_chunks(engine, connector, 3, seed=2)
@@ -251,7 +263,9 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
 ) -> None:
     monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
     monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
-    engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
+    engine, connector, cache = store_engine(
+        engine_factory, tmp_path / "a", redis.adapter
+    )
     first, first_kv = store_chunks(engine, connector, 2, seed=1)
     store_chunks(engine, connector, 2, seed=11)
     cold = cache.tiers["cold"]
@@ -351,7 +365,9 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
     the server runs again (its data intact)."""
     monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
     monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
-    engine, connector, cache = store_engine(engine_factory, tmp_path / "a", redis)
+    engine, connector, cache = store_engine(
+        engine_factory, tmp_path / "a", redis.adapter
+    )
     first, first_kv = store_chunks(engine, connector, 2, seed=1)
     store_chunks(engine, connector, 2, seed=11)
     cold = cache.tiers["cold"]
@@ -391,7 +407,9 @@ def test_inspect_reports_the_store_a_config_names(
     store: its adapter, that it answers, its own status; misses of listing
     said as such (resp lists no keys). A store gone is reported, exit 2."""
     monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
-    engine, connector, _ = store_engine(engine_factory, tmp_path / "warm", redis)
+    engine, connector, _ = store_engine(
+        engine_factory, tmp_path / "warm", redis.adapter
+    )
     store_chunks(engine, connector, 2, seed=1)
     store_chunks(engine, connector, 2, seed=11)  # demotes the first two to Redis
     testing.destroy_all_engines()
