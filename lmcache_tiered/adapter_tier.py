@@ -29,8 +29,11 @@ Failure: every operation waits at most :data:`TIMEOUT_S`; the buffers of one
 that did not finish stay referenced (the adapter may still write into them).
 LMCache's native Redis client never reconnects after the server goes away and
 can leave operations pending forever, so a prober checks the store every
-:data:`PROBE_S` seconds with a small write and read of its own; a failed
-check, a timed-out operation or :data:`DEGRADE_AFTER` failed operations in a
+:data:`PROBE_S` seconds with a small write and read of its own, of one of
+:data:`PROBE_OBJECTS` objects in turn until one passes (on a cluster they are
+likely on different nodes: one node lost is then the misses of its slots,
+not a failed check); a failed check (every probe object failed), a
+timed-out operation or :data:`DEGRADE_AFTER` failed operations in a
 row make the tier *degraded* (lookups and reads miss, writes are dropped, one
 WARNING line), the adapter is abandoned, and the prober builds a new one until
 a check passes; the index then starts empty, since the store may have
@@ -75,6 +78,8 @@ logger = logging.getLogger("lmcache_tiered")
 TIMEOUT_S = 5.0
 #: Seconds between the prober's checks of the store.
 PROBE_S = 2.0
+#: Probe objects per tier, tried in turn until one answers (cluster nodes).
+PROBE_OBJECTS = 4
 #: Failed operations in a row (no success between) that degrade the tier.
 DEGRADE_AFTER = 3
 #: Headers kept in memory; older ones are asked for again at their next lookup.
@@ -163,7 +168,10 @@ class AdapterTier:
         self._stores_done: dict[int, Any] = {}
         # one per process (deleted at close): two processes probing one
         # object could see each other's writes as a failed check
-        self._probe_key = probe_key(f"{settings.host_id}@{os.getpid()}")
+        self._probe_keys = [
+            probe_key(f"{settings.host_id}@{os.getpid()}#{i}")
+            for i in range(PROBE_OBJECTS)
+        ]
         self._adapter: L2AdapterInterface | None = build_adapter(spec)
         self._stop = threading.Event()
         self._prober = threading.Thread(
@@ -401,7 +409,9 @@ class AdapterTier:
 
     # ---------------------------------------------------------- the adapter
 
-    def _load(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> list[bool]:
+    def _load(
+        self, keys: list[ObjectKey], buffers: list[torch.Tensor], probing: bool = False
+    ) -> list[bool]:
         """Load ``keys`` into ``buffers`` (exact sizes); per key whether it
         landed. As LMCache's controllers do: look up and lock, load what was
         found, unlock (LMCache's Redis client drops its connection on a read
@@ -428,7 +438,7 @@ class AdapterTier:
             return [False] * len(keys)
         except Exception:
             logger.exception("lmcache_tiered: store load failed")
-            self._failed()
+            self._failed(probing)
             return [False] * len(keys)
         finally:
             if found:
@@ -436,7 +446,9 @@ class AdapterTier:
         self._failures = 0
         return landed
 
-    def _store(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> bool:
+    def _store(
+        self, keys: list[ObjectKey], buffers: list[torch.Tensor], probing: bool = False
+    ) -> bool:
         adapter = self._adapter
         if adapter is None or self.degraded is not None:
             return False
@@ -449,10 +461,10 @@ class AdapterTier:
             return False
         except Exception:
             logger.exception("lmcache_tiered: store write failed")
-            self._failed()
+            self._failed(probing)
             return False
         if not result.is_successful():
-            self._failed()
+            self._failed(probing)
             return False
         self._failures = 0
         return True
@@ -473,7 +485,10 @@ class AdapterTier:
             raise _Broken(f"an operation took over {TIMEOUT_S:.0f} s")
         return result
 
-    def _failed(self) -> None:
+    def _failed(self, probing: bool = False) -> None:
+        """Count a failed operation; a probe's are the prober's to judge."""
+        if probing:
+            return
         self._failures += 1
         if self._failures >= DEGRADE_AFTER:
             self._degrade(f"{self._failures} operations in a row failed")
@@ -497,14 +512,21 @@ class AdapterTier:
             close_later(adapter)
 
     def _probe(self) -> bool:
-        """A small write and read of our own probe object."""
+        """A small write and read back of our probe objects, in turn, until one
+        passes (the one that passed is tried first next time)."""
+        for _ in range(len(self._probe_keys)):
+            if self._probe_one(self._probe_keys[0]):
+                return True
+            self._probe_keys.append(self._probe_keys.pop(0))
+        return False
+
+    def _probe_one(self, key: ObjectKey) -> bool:
         data = torch.full((HEADER_SIZE,), 0x5A, dtype=torch.uint8)
-        if not self._store([self._probe_key], [data]):
+        if not self._store([key], [data], probing=True):
             return False
         back = torch.zeros(HEADER_SIZE, dtype=torch.uint8)
-        return self._load([self._probe_key], [back])[0] and bool(
-            torch.equal(back, data)
-        )
+        landed = self._load([key], [back], probing=True)[0]
+        return landed and bool(torch.equal(back, data))
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(PROBE_S):
@@ -531,7 +553,7 @@ class AdapterTier:
         adapter, self._adapter = self._adapter, None
         if adapter is not None:
             # our probe object goes with us, unless the store is unreachable
-            probe = [self._probe_key] if self.degraded is None else []
+            probe = self._probe_keys if self.degraded is None else []
             close_later(adapter, delete_first=probe).join(TIMEOUT_S)
 
 
