@@ -511,6 +511,11 @@ class AdapterTier:
         if adapter is not None:
             close_later(adapter)
 
+    @property
+    def probe_keys(self) -> tuple[ObjectKey, ...]:
+        """The store objects the prober writes, in the order it tries them."""
+        return tuple(self._probe_keys)
+
     def _probe(self) -> bool:
         """A small write and read back of our probe objects, in turn, until one
         passes (the one that passed is tried first next time)."""

@@ -5,7 +5,6 @@ cluster mode (the valkey-glide-sync client), behind a real LMCache engine."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from conftest import store_chunks, wait_until
 from test_store_tier import CHUNK, EngineFactory, Redis, free_port, store_engine
 
 from lmcache_tiered import adapter_tier, testing
-from lmcache_tiered.adapter_tier import probe_key
+from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.keys import key_digest
 
 pytestmark = test_store_tier.pytestmark
@@ -119,11 +118,9 @@ def test_chunks_spread_over_the_cluster_and_a_lost_node_is_a_miss_of_its_own(
         engine_factory, tmp_path / "a", cluster.adapter
     )
     assert cache.tiers["cold"].engine.name == "l2:valkey"
-    owner = f"{cache.settings.host_id}@{os.getpid()}"
-    probes = [
-        names(probe_key(f"{owner}#{i}").chunk_hash)[0]
-        for i in range(adapter_tier.PROBE_OBJECTS)
-    ]
+    store = cache.tiers["cold"]
+    assert isinstance(store, AdapterTier)
+    probes = [names(k.chunk_hash)[0] for k in store.probe_keys]
     probe = probes[0]  # the one the prober tries first
     # eight one-chunk requests; warm holds two, so six are demoted
     requests = [store_chunks(engine, connector, 1, seed=10 * i) for i in range(8)]

@@ -71,6 +71,11 @@ class Setup:
         return self.shape.kv_scale
 
     @property
+    def cold_remote(self) -> bool:
+        """The cold tier is behind a link: modelled, or a real store."""
+        return self.cold_link is not None or self.cold_adapter is not None
+
+    @property
     def baseline_disk_gb(self) -> float:
         """Capacity of the stock LocalDiskBackend baseline: as much as warm
         and cold together (it never loses a chunk the plugin keeps), but with
@@ -219,7 +224,6 @@ def describe(
     )
     if setup.cold_adapter is not None:
         cold = f"the store {json.dumps(setup.cold_adapter)} (real, no link model)"
-        link = link or "; the store is remote"
     return "\n".join(
         [
             f"workload: {source}, {len(requests)} requests, "
@@ -246,7 +250,11 @@ def describe(
                 else f"{','.join(setup.baseline_paths)}, "
             )
             + f"{setup.baseline_disk_gb:.1f} GiB"
-            + (" (local NVMe only: the cold tier is remote)" if link else ""),
+            + (
+                " (local NVMe only: the cold tier is remote)"
+                if setup.cold_remote
+                else ""
+            ),
         ]
     )
 
