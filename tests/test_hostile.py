@@ -450,12 +450,18 @@ def test_a_damaged_superblock_degrades_and_leaves_the_files(
         assert digests(*device_dirs) == before
         with open(header, "r+b") as f:
             f.write(good)
-        wait_until(lambda: tier.degraded is None)
-        verdict = Verdict()
-        assert read_all(tier, list(range(6)), chunks, verdict) == set(range(6))
-        assert verdict.wrong_bytes == 0
+        recovers_with_every_chunk(tier, chunks, 6)
     finally:
         tier.close()
+
+
+def recovers_with_every_chunk(tier: Tier, chunks: Chunks, count: int) -> None:
+    """Once the probe lets ``tier`` out of degraded mode, chunks 0..count-1
+    are all served, byte-exact."""
+    wait_until(lambda: tier.degraded is None)
+    verdict = Verdict()
+    assert read_all(tier, list(range(count)), chunks, verdict) == set(range(count))
+    assert verdict.wrong_bytes == 0
 
 
 def test_a_read_error_at_start_up_degrades_and_loses_nothing(
@@ -481,10 +487,7 @@ def test_a_read_error_at_start_up_degrades_and_loses_nothing(
         assert tier.degraded is not None and "Input/output error" in tier.degraded
         assert digests(*device_dirs) == before
         devices[-1].failing = False
-        wait_until(lambda: tier.degraded is None)
-        verdict = Verdict()
-        assert read_all(tier, list(range(6)), chunks, verdict) == set(range(6))
-        assert verdict.wrong_bytes == 0
+        recovers_with_every_chunk(tier, chunks, 6)
     finally:
         tier.close()
 

@@ -255,12 +255,14 @@ def test_two_hosts_share_the_store(tmp_path: Path, redis: Redis) -> None:
     assert host("reader", "host-b") == f"hits {3 * CHUNK} {3 * CHUNK} True 3"
 
 
-def test_redis_going_away_degrades_to_misses_and_recovers(
+def two_chunks_in_redis(
     engine_factory: EngineFactory,
     tmp_path: Path,
     redis: Redis,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor]:
+    """An engine whose first two chunks were demoted to Redis by two more,
+    with short store timeouts; (engine, connector, cache, tokens, kv)."""
     monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
     monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
     engine, connector, cache = store_engine(
@@ -268,6 +270,18 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     )
     first, first_kv = store_chunks(engine, connector, 2, seed=1)
     store_chunks(engine, connector, 2, seed=11)
+    return engine, connector, cache, first, first_kv
+
+
+def test_redis_going_away_degrades_to_misses_and_recovers(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine, connector, cache, first, first_kv = two_chunks_in_redis(
+        engine_factory, tmp_path, redis, monkeypatch
+    )
     cold = cache.tiers["cold"]
     assert [cache.tier_of(k) for k in testing.chunk_keys(engine, first)] == [
         "cold",
@@ -363,13 +377,9 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
     """SIGSTOP: LMCache's client then leaves operations pending forever; we
     wait at most TIMEOUT_S, keep their buffers, and rebuild the adapter once
     the server runs again (its data intact)."""
-    monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
-    monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
-    engine, connector, cache = store_engine(
-        engine_factory, tmp_path / "a", redis.adapter
+    engine, connector, cache, first, first_kv = two_chunks_in_redis(
+        engine_factory, tmp_path, redis, monkeypatch
     )
-    first, first_kv = store_chunks(engine, connector, 2, seed=1)
-    store_chunks(engine, connector, 2, seed=11)
     cold = cache.tiers["cold"]
     assert redis.proc is not None
     redis.proc.send_signal(signal.SIGSTOP)
