@@ -54,7 +54,7 @@ __all__ = [
     "mock_up_broadcast_object_fn",
     "object_key_to_string",
     "seed_l2_usage",
-    "watch_first_pin",
+    "watch_first_use",
 ]
 
 
@@ -210,29 +210,31 @@ def cpu_pool_bytes(hot: Any) -> int:
 
 
 class _WatchedObj(TensorMemoryObj):
-    """A CPU-tier chunk whose first pin is reported: LMCache pins a hot chunk
-    when a lookup finds it and has no other signal that a chunk was used."""
+    """A CPU-tier chunk whose first hand-out is reported. LMCache's CPU tier
+    takes a reference for the caller of every get (a retrieve, or the
+    plugin's own read of hot) and for nothing a lookup does; a lookup's pin
+    is no sign of use, since vLLM loads nothing its GPU prefix cache holds."""
 
-    on_first_pin: Callable[[], None] | None
+    on_first_use: Callable[[], None] | None
 
-    def pin(self) -> bool:
-        pinned = super().pin()  # first, so the chunk is never left unpinned
-        callback, self.on_first_pin = self.on_first_pin, None
+    def ref_count_up(self) -> None:
+        super().ref_count_up()  # first, so the caller's reference is taken
+        callback, self.on_first_use = self.on_first_use, None
         if callback is not None:
             callback()
-        return pinned
 
 
-def watch_first_pin(obj: Any, callback: Callable[[], None]) -> bool:
-    """Call ``callback`` on ``obj``'s next ``pin()``, by swapping its class
+def watch_first_use(obj: Any, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` on ``obj``'s next ``ref_count_up()`` (arm it after
+    the put into the CPU tier, which takes one too), by swapping its class
     for a subclass (LocalCPUBackend keeps the object itself, so a wrapper
-    would never be pinned). False, and nothing done, for any object that is
-    not a plain ``TensorMemoryObj``."""
+    would never be handed out). False, and nothing done, for any object that
+    is not a plain ``TensorMemoryObj``."""
     if type(obj) is not TensorMemoryObj:
         return False
     obj.__class__ = _WatchedObj
     assert isinstance(obj, _WatchedObj)
-    obj.on_first_pin = callback
+    obj.on_first_use = callback
     return True
 
 

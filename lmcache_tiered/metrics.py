@@ -65,13 +65,14 @@ class WarmupStats:
     keys_planned: int = 0
     bytes_promoted_hot: int = 0
     bytes_promoted_warm: int = 0
-    #: promoted-to-hot bytes that a lookup then used (before eviction)
+    #: promoted-to-hot bytes that a retrieve then took (before eviction)
     bytes_used: int = 0
-    #: promoted chunks a demand lookup or read then found in the hot tier
+    #: promoted chunks a retrieve (LMCache's, or the plugin's read of hot)
+    #: then took from the hot tier
     timely: int = 0
     #: demand reads of a chunk whose promotion was still queued or running
     late: int = 0
-    #: promotions to hot that left the CPU tier before any lookup used them
+    #: promotions to hot that left the CPU tier before any retrieve took them
     wasted: int = 0
     #: plan keys dropped: past their deadline, or already where they should be
     cancelled: int = 0

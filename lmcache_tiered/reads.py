@@ -159,8 +159,7 @@ class DemandReader:
                 objs[i] = obj
                 served.append(keys[i])
         if served:
-            self.reads_from_hot += len(served)
-            self._promoter.used(served)
+            self.reads_from_hot += len(served)  # a promotion among them: used
         return left
 
     def _read_tier(

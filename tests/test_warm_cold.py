@@ -148,9 +148,7 @@ def test_lookahead_promotes_the_found_prefix_to_hot(
     out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 4 * CHUNK and torch.equal(out, kv)
     assert cache.warm.stats.hits == reads  # served from hot: no disk read
-    # a second lookup pins the promoted chunks in hot: counted as used
-    testing.lookup(engine, tokens, pin=True, lookup_id="again")
-    engine.lookup_unpin("again")
+    # the retrieve took the promoted chunks from hot: counted as used
     assert cache.promoter.stats.timely == 4
     assert cache.promoter.stats.precision == 1.0
 
@@ -186,6 +184,39 @@ def test_a_promotion_past_the_lookups_hot_prefix_counts_as_used(
     assert int(mask.sum()) == 3 * CHUNK and torch.equal(out, kv)
     stats = cache.promoter.stats
     assert stats.timely == 2 and stats.precision == 1.0
+
+
+def test_a_promotion_that_vllm_does_not_load_is_not_counted_as_used(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    """vLLM's lookup finds (and pins) every cached chunk but loads only what
+    lies past its GPU prefix cache: a promotion there bought nothing, so the
+    benefit guard must not count it; the promoter keeps it pinned for a
+    retrieve that does load it."""
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
+    tokens, kv = store_chunks(engine, connector, 3, seed=24)
+    testing.clear_cpu_tier(engine)
+    keys = testing.chunk_keys(engine, tokens)
+    cache.promoter.submit([Plan(tuple(keys[:2]), "hot", cache.now() + 60)])
+    wait_until(lambda: all(cache.where(k) == "hot" for k in keys[:2]))
+    hot = testing.get_local_cpu_backend(engine)
+    assert hot is not None
+    assert testing.lookup(engine, tokens, pin=True, lookup_id="gpu") == 3 * CHUNK
+    past_gpu_prefix = torch.zeros(3 * CHUNK, dtype=torch.bool)
+    past_gpu_prefix[2 * CHUNK :] = True  # the GPU holds chunks 0 and 1
+    _, mask = testing.retrieve_tokens(
+        engine, tokens, connector=connector, mask=past_gpu_prefix
+    )
+    engine.lookup_unpin("gpu")
+    assert int(mask.sum()) == CHUNK
+    assert cache.promoter.stats.timely == 0
+    assert all(hot.hot_cache[k].is_pinned for k in keys[:2])
+    # a request that loads them uses them
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 3 * CHUNK and torch.equal(out, kv)
+    stats = cache.promoter.stats
+    assert stats.timely == 2 and stats.precision == 1.0
+    assert not any(hot.hot_cache[k].is_pinned for k in keys[:2])
 
 
 def test_lookahead_plans_nothing_for_unseen_random_lookups(
@@ -270,6 +301,7 @@ def test_hot_budget_goes_to_the_earliest_deadline_and_the_rest_waits(
     assert [cache.where(k) for k in later_keys] == ["warm", "warm"]
     # ... which wait in the queue, and come back once the budget frees
     testing.lookup(engine, soon, pin=True, lookup_id="soon")
+    testing.retrieve_tokens(engine, soon, connector=connector)
     engine.lookup_unpin("soon")
     wait_until(lambda: all(cache.where(k) == "hot" for k in later_keys))
     assert cache.promoter.stats.timely == 2

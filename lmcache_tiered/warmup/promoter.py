@@ -16,7 +16,9 @@ wait (queued, not dropped) until a promotion is used or expires.
 
 Warm-up must not cost more than it saves: a benefit guard watches the last
 promotions to hot, and while fewer than ``min_precision`` of them were used
-before LMCache dropped them it runs only one unit of work in
+(taken from hot by a retrieve; a lookup finding one is no use where vLLM's
+GPU prefix cache holds that prefix and loads none of it) before LMCache
+dropped them it runs only one unit of work in
 GUARD_PROBE_EVERY, copies to warm included (they come from the same
 predictions; the probes keep measuring, so a policy that starts to pay is
 let go again). Only promotions to hot are counted: a policy that only
@@ -43,7 +45,7 @@ from typing import Any
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from lmcache_tiered._lmcache import watch_first_pin
+from lmcache_tiered._lmcache import watch_first_use
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
 from lmcache_tiered.payload import Payload
@@ -198,13 +200,6 @@ class Promoter:
             with self._cond:
                 self._demand -= 1
                 self._cond.notify_all()
-
-    def used(self, keys: Sequence[StoreKey]) -> None:
-        """Keys a demand read took from the hot tier without a lookup pinning
-        them (they lay past the first chunk LMCache's lookup missed there):
-        a promotion among them was used."""
-        for key in keys:
-            self._used(key_digest(key))
 
     def close(self) -> None:
         """Stop the thread and release the promoter's pins."""
@@ -382,11 +377,12 @@ class Promoter:
         found = [(k, o) for k, o in zip(keys, objs, strict=True) if o is not None]
         if not found:
             return True
-        for key, obj in found:
-            self._track(key, obj, deadline)
+        for _, obj in found:
+            obj.pin()  # before the hot tier sees it: its LRU must not take it
         hot.batched_submit_put_task([k for k, _ in found], [o for _, o in found])
         moved = 0
-        for _, obj in found:
+        for key, obj in found:
+            self._track(key, obj, deadline)
             moved += obj.get_size()
             obj.ref_count_down()  # the hot tier holds its own reference now
         self.stats.bytes_promoted_hot += moved
@@ -394,14 +390,13 @@ class Promoter:
         return True
 
     def _track(self, key: StoreKey, obj: MemoryObj, deadline: float) -> None:
-        """Pin a promotion; its first lookup pin marks it used."""
+        """Hold a pinned promotion until its first use: the first reference
+        the hot tier hands out after the put (a retrieve taking it, not a
+        lookup finding it: vLLM loads nothing its GPU prefix cache holds)."""
         digest = key_digest(key)
-        obj.pin()  # before the hot tier sees it: its LRU must not take it
-        # LMCache pins a hot chunk when a lookup finds it: the first pin after
-        # ours says the promotion was used
-        watch_first_pin(obj, lambda: self._used(digest))
         with self._cond:
             self._promoted[digest] = _Promotion(key, obj, obj.get_size(), deadline)
+        watch_first_use(obj, lambda: self._used(digest))
 
     def _used(self, digest: bytes) -> None:
         with self._cond:
@@ -411,7 +406,7 @@ class Promoter:
             self.stats.timely += 1
             self.stats.bytes_used += promotion.size
             self._outcomes.append(True)
-            promotion.release()  # the lookup holds its own pin now
+            promotion.release()  # the retrieve holds its own reference now
             self._hot_full = False
             self._cond.notify_all()
 
