@@ -395,6 +395,7 @@ def test_cli_writes_json_and_reports_missing_policy(
         "warmup_precision",
     ):
         assert isinstance(entry[key], float | None), key
+    assert entry["warmup_held_back"] is None  # none plans nothing
     assert set(entry["hit_rate"]) == {"gpu", "hot", "warm", "cold"}
     assert entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
     assert document["config"]["clock_factor"] == 1024
@@ -686,8 +687,10 @@ def test_percentile_interpolates() -> None:
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     record = report.RequestRecord(0.0, 0.1, 0.2, 0.5, 1.0, 300, 5, 2)
-    result = report.RunResult("none", [record, record], 1024, None, {}, None, None, 1)
-    stock = report.RunResult("stock", [record], 1024, None, {}, None, None, 1)
+    result = report.RunResult(
+        "none", [record, record], 1024, None, {}, None, None, None, 1
+    )
+    stock = report.RunResult("stock", [record], 1024, None, {}, None, None, None, 1)
     summaries = {
         "none": report.summarize(result, clock=8),
         "stock": report.summarize(stock, clock=8),

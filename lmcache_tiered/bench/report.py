@@ -24,6 +24,9 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
 - ``warmup_precision``/``warmup_timeliness``: share of bytes promoted to hot
   that a request then used; share of demand reads of promoted chunks that
   found them already promoted. Null where there was no warm-up.
+- ``warmup_held_back``: planned chunks the benefit guard skipped (a policy
+  whose promotions to hot go unused holds itself back). Null where nothing
+  was planned.
 - ``backend_metrics``: the plugin's own ``metrics_snapshot()``.
 - ``lag_max_s``: how far the replay fell behind its modelled GPU at worst
   (real work slower than modelled, e.g. on a busy machine).
@@ -83,6 +86,7 @@ class RunResult:
     backend_metrics: dict[str, Any]
     warmup_precision: float | None
     warmup_timeliness: float | None
+    warmup_held_back: int | None
     wall_s: float
     #: most wall seconds the replay ran behind its GPU clock
     lag_max: float = 0.0
@@ -134,6 +138,7 @@ def summarize(result: RunResult, clock: float) -> dict[str, Any]:
         "bytes_read": bytes_read,
         "warmup_precision": result.warmup_precision,
         "warmup_timeliness": result.warmup_timeliness,
+        "warmup_held_back": result.warmup_held_back,
         "backend_metrics": result.backend_metrics,
         "wall_s": result.wall_s,
         "lag_max_s": result.lag_max * clock,
@@ -220,6 +225,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
         "GB read warm/cold",
         "prec",
         "timely",
+        "held back",
         f"dTTFT50 vs {reference}",
         f"dtok/s vs {reference}",
     )
@@ -237,6 +243,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
             read,
             _fmt(s["warmup_precision"], ".2f"),
             _fmt(s["warmup_timeliness"], ".2f"),
+            _fmt(s["warmup_held_back"], ".0f"),
             delta(s["ttft_p50_s"], base_ttft),
             delta(s["throughput_tps"], base_tps),
         )

@@ -192,17 +192,22 @@ def build_variant(
     return engine, backend
 
 
-def warmup_quality(metrics: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(precision, timeliness) of the warm-up, None where there was none.
+def warmup_quality(
+    metrics: dict[str, Any],
+) -> tuple[float | None, float | None, int | None]:
+    """(precision, timeliness, held back) of the warm-up, None where there
+    was none.
 
     Precision = promoted-to-hot bytes used / promoted; timeliness = timely /
-    (timely + late) demand reads of promoted chunks (see
+    (timely + late) demand reads of promoted chunks; held back = planned
+    chunks the benefit guard skipped (see
     :class:`lmcache_tiered.metrics.WarmupStats`).
     """
     warmup = metrics.get("warmup") or {}
     demanded = warmup.get("timely", 0) + warmup.get("late", 0)
     timeliness = warmup["timely"] / demanded if demanded else None
-    return warmup.get("precision"), timeliness
+    held_back = warmup["held_back"] if warmup.get("plans") else None
+    return warmup.get("precision"), timeliness, held_back
 
 
 def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunResult:
@@ -264,7 +269,7 @@ def _result(
 ) -> RunResult:
     metrics = {} if backend is None else backend.metrics_snapshot()
     tiers = metrics.get("tiers", {})
-    precision, timeliness = warmup_quality(metrics)
+    precision, timeliness, held_back = warmup_quality(metrics)
     return RunResult(
         name=name,
         records=records,
@@ -275,6 +280,7 @@ def _result(
         backend_metrics=metrics,
         warmup_precision=precision,
         warmup_timeliness=timeliness,
+        warmup_held_back=held_back,
         wall_s=wall,
         lag_max=lag,
     )
