@@ -482,7 +482,8 @@ def test_fio_read_gbps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_diskbench_smoke(tmp_path: Path) -> None:
     """Every column measured over two placements (tiny: a smoke test of the
-    machinery, not a speed figure); the tiered data was read from disk."""
+    machinery, not a speed figure), the multi-process adapter in every round
+    beside the in-process backend; the tiered data was read from disk."""
     from lmcache_tiered.bench import diskbench
     from lmcache_tiered.cli import build_parser
 
@@ -499,6 +500,7 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
             "2",
             "--rounds",
             "1",
+            "--mp",
         ]
     )
     result = diskbench.run(args)
@@ -513,10 +515,16 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
         "lmcache_local_disk_write_gbps",
         "tiered_cpu_s_per_gb",
         "lmcache_local_disk_cpu_s_per_gb",
+        "mp_read_gbps",
+        "mp_cpu_s_per_gb",
     ):
         assert result[key] > 0, key
-    assert len(first["cpu_s_per_gb"]["tiered"]) == 1  # one per round
+    for placement in (first, second):  # one figure per round
+        assert len(placement["cpu_s_per_gb"]["tiered"]) == 1
+        assert len(placement["read_gbps"][diskbench.MP]) == 1
     assert result["paired_ratios"]["tiered_vs_local_disk"] > 0
+    assert result["paired_ratios"]["mp_vs_tiered"] > 0
+    assert "TieredL2Adapter / TieredBackend" in diskbench.table(result)
     assert list(tmp_path.iterdir()) == []  # every placement's files removed
 
 

@@ -8,7 +8,10 @@ In one run, on the same paths and the same chunks:
 3. LMCache's ``RustRawBlockBackend`` on a file, when its package is installed;
 4. ``TieredBackend``, with LMCache's CPU pool registered as io_uring fixed
    buffers (``tiered.register_cpu_pool: always``), as it is on a GPU host,
-   where LMCache pins the pool; a CPU-only host's pool is pageable.
+   where LMCache pins the pool; a CPU-only host's pool is pageable;
+5. with ``--mp``, the multi-process ``TieredL2Adapter``, as LMCache's
+   prefetch controller drives it (:mod:`lmcache_tiered.bench.mpbench`), on
+   files of its own, read after the others in every round.
 
 2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
 CPU tier is emptied and the page cache dropped, so every byte comes from disk.
@@ -42,6 +45,7 @@ import torch
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench import report
+from lmcache_tiered.bench.mpbench import mp_read_gbps
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
 from lmcache_tiered.io.uring import UringEngine
 
@@ -60,6 +64,9 @@ RUST_MISSING = (
 )
 #: seconds a contender may store nothing before its fill counts as failed
 STALL_S = 10.0
+#: the multi-process adapter's name among the contenders' figures (``--mp``):
+#: read after the others in every round, on files of its own
+MP = "mp"
 
 
 class StoreFailed(RuntimeError):
@@ -81,9 +88,14 @@ class Contender:
 
 
 def contenders(
-    paths: list[str], work: str, args: argparse.Namespace, stored_bytes: int
+    paths: list[str],
+    work: str,
+    args: argparse.Namespace,
+    stored_bytes: int,
+    mp_dirs: list[str],
 ) -> list[Contender]:
-    """Every contender that can run here, each to store ``stored_bytes``;
+    """Every contender that can run here, each to store ``stored_bytes``
+    (and the multi-process adapter as much in ``mp_dirs``, if any);
     ValueError before anything is written where they would fill a disk."""
     total_gb = args.total_gb * 1.5  # headroom for the last request's chunks
     stock_dir = os.path.join(work, "local_disk")
@@ -137,7 +149,10 @@ def contenders(
                 [work],
             )
         )
-    check_space(found, stored_bytes)
+    stores = [(c.name, c.dirs) for c in found]
+    if mp_dirs:
+        stores.append((MP, mp_dirs))
+    check_space(stores, stored_bytes)
     if found[-1].location == "rrb":
         device = found[-1].extra["rust_raw_block.device_path"]
         try:
@@ -239,21 +254,22 @@ def write_probe(directory: str, nbytes: int) -> str:
     )
 
 
-def check_space(runs: list[Contender], stored_bytes: int) -> None:
-    """Refuse a placement whose contenders would fill a file system: each
-    stores ``stored_bytes``, spread over its directories, all at once."""
+def check_space(stores: list[tuple[str, list[str]]], stored_bytes: int) -> None:
+    """Refuse a placement whose contenders (name, directories) would fill a
+    file system: each stores ``stored_bytes``, spread over its directories,
+    all at once."""
     need: dict[int, float] = {}
     names: dict[int, str] = {}
-    for contender in runs:
-        for path in contender.dirs:
+    for _, dirs in stores:
+        for path in dirs:
             device = os.stat(path).st_dev
-            need[device] = need.get(device, 0.0) + stored_bytes / len(contender.dirs)
+            need[device] = need.get(device, 0.0) + stored_bytes / len(dirs)
             names.setdefault(device, path)
     for device, nbytes in need.items():
         free = shutil.disk_usage(names[device]).free
         if nbytes * 1.05 > free:
             raise ValueError(
-                f"the contenders ({', '.join(c.name for c in runs)}) would store "
+                f"the contenders ({', '.join(name for name, _ in stores)}) would store "
                 f"{nbytes / 1e9:.2f} GB on the file system of {names[device]}, "
                 f"which has {free / 1e9:.2f} GB free: lower --total-gb, or point "
                 "--workdir/--paths at a larger file system"
@@ -348,8 +364,12 @@ def run_placement(
     work = tempfile.mkdtemp(prefix="lmcache-tiered-diskbench-", dir=args.workdir)
     bases = args.paths.split(",") if args.paths else [work]
     paths = [tempfile.mkdtemp(prefix="nvme-", dir=base) for base in bases]
+    mp_dirs = (
+        [tempfile.mkdtemp(prefix="mp-", dir=base) for base in bases] if args.mp else []
+    )
+    total_bytes = n_requests * REQUEST_CHUNKS * chunk_bytes
     try:
-        runs = contenders(paths, work, args, n_requests * REQUEST_CHUNKS * chunk_bytes)
+        runs = contenders(paths, work, args, total_bytes, mp_dirs)
         shift = index % len(runs)
         runs = runs[shift:] + runs[:shift]
         placement = Placement([c.name for c in runs])
@@ -361,7 +381,6 @@ def run_placement(
         tiered = next(c for c in runs if c.name == "tiered")
         warm = testing.get_backends(tiered.engine)["tiered"].cache.warm
         slabs = warm.slab_paths
-        total_bytes = n_requests * REQUEST_CHUNKS * chunk_bytes
         method = ""
         for round_ in range(args.rounds):
             progress(f"placement {index + 1}: round {round_ + 1}/{args.rounds}")
@@ -375,6 +394,10 @@ def run_placement(
                 placement.cpu_s_per_gb.setdefault(name, []).append(
                     measured.cpu_s_per_gb
                 )
+            if mp_dirs:  # its first round writes its chunks, untimed
+                gbps, cpu_s_per_gb = mp_read_gbps(mp_dirs, chunk_bytes, total_bytes)
+                placement.read_gbps.setdefault(MP, []).append(gbps)
+                placement.cpu_s_per_gb.setdefault(MP, []).append(cpu_s_per_gb)
         engine = warm.engine
         if isinstance(engine, UringEngine) and engine.stats()["fixed"]:
             return placement, method, f"{engine.name}, CPU pool registered"
@@ -382,7 +405,7 @@ def run_placement(
     finally:
         testing.destroy_all_engines()
         shutil.rmtree(work, ignore_errors=True)
-        for path in paths:
+        for path in paths + mp_dirs:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -448,19 +471,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "per_placement": [asdict(p) for p in placements],
     }
     if args.mp:
-        from lmcache_tiered.bench.mpbench import mp_read_gbps
-
-        progress("multi-process L2 adapter")
-        bases = args.paths.split(",") if args.paths else [args.workdir]
-        dirs = [tempfile.mkdtemp(prefix="lmcache-tiered-mp-", dir=b) for b in bases]
-        try:
-            measured = mp_read_gbps(
-                dirs, chunk_bytes, n_requests * REQUEST_CHUNKS * chunk_bytes
-            )
-            result["mp_read_gbps"], result["mp_cpu_s_per_gb"] = measured
-        finally:
-            for path in dirs:
-                shutil.rmtree(path, ignore_errors=True)
+        result["mp_read_gbps"] = median_of(MP)
+        result["mp_cpu_s_per_gb"] = median_of(MP, "cpu_s_per_gb")
+        result["paired_ratios"]["mp_vs_tiered"] = paired_median(
+            placements, MP, "tiered"
+        )
     return result
 
 
@@ -520,10 +535,17 @@ def table(result: dict[str, Any]) -> str:
     lines.append(
         "TieredBackend / "
         + ", / ".join(
-            f"{names[k]} {v:.2f}x" for k, v in ratios.items() if v is not None
+            f"{label} {ratios[k]:.2f}x"
+            for k, label in names.items()
+            if ratios[k] is not None
         )
         + " (medians of per-round ratios)"
     )
+    if ratios.get("mp_vs_tiered") is not None:
+        lines.append(
+            f"TieredL2Adapter / TieredBackend {ratios['mp_vs_tiered']:.2f}x "
+            "(median of per-round ratios)"
+        )
     return "\n".join(lines)
 
 
