@@ -472,6 +472,36 @@ def test_a_read_spanning_warm_and_cold_reads_both_at_once(
     assert readers["warm"] != readers["cold"]
 
 
+def test_benefit_guard_holds_back_a_policy_whose_promotions_come_too_late(
+    engine_factory: EngineFactory, device_dirs: list[Path]
+) -> None:
+    """A policy that plans for the request being scheduled now only races
+    its demand reads: each demand read that finds its chunks still queued
+    for hot counts as a promotion of no use, and the guard holds it back."""
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
+    promoter = cache.promoter
+    requests = [
+        store_chunks(engine, connector, UNIT_KEYS, seed=300 + i)[0]
+        for i in range(GUARD_MIN // UNIT_KEYS + 2)
+    ]
+    testing.clear_cpu_tier(engine)
+    keys = [tuple(testing.chunk_keys(engine, tokens)) for tokens in requests]
+    with promoter.demand([]):  # no unit of warm-up starts meanwhile
+        for request_keys in keys[:-2]:
+            promoter.submit([Plan(request_keys, "hot", cache.now() + 60)])
+            with promoter.demand(request_keys):  # the request's read comes first
+                pass
+    assert promoter.stats.late == GUARD_MIN
+    assert promoter.stats.bytes_promoted_hot == 0
+    # judged: one unit in GUARD_PROBE_EVERY still runs (this first one), the
+    # next is held back
+    for request_keys in keys[-2:]:
+        promoter.submit([Plan(request_keys, "hot", cache.now() + 60)])
+    wait_until(lambda: promoter.stats.held_back == UNIT_KEYS)
+    assert promoter.stats.bytes_promoted_hot == UNIT_KEYS * CHUNK_BYTES
+    assert all(cache.where(k) == "warm" for k in keys[-1])
+
+
 @pytest.mark.parametrize("min_precision", [0.25, 0.0])
 def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
     engine_factory: EngineFactory, device_dirs: list[Path], min_precision: float

@@ -18,7 +18,9 @@ Warm-up must not cost more than it saves: a benefit guard watches the last
 promotions to hot, and while fewer than ``min_precision`` of them were used
 (taken from hot by a retrieve; a lookup finding one is no use where vLLM's
 GPU prefix cache holds that prefix and loads none of it) before LMCache
-dropped them it runs only one unit of work in
+dropped them, or before a demand read came for a chunk whose promotion was
+still queued (a policy that plans for the request being scheduled now only
+races its reads) it runs only one unit of work in
 GUARD_PROBE_EVERY, copies to warm included (they come from the same
 predictions; the probes keep measuring, so a policy that starts to pay is
 let go again). Only promotions to hot are counted: a policy that only
@@ -129,7 +131,8 @@ class Promoter:
         #: called on the promoter's thread as a unit of work starts, with its
         #: target tier and keys (tracing; tests check its ordering)
         self.before_unit: Callable[[str, tuple[StoreKey, ...]], None] | None = None
-        #: settled promotions to hot, oldest first: used (True) or wasted
+        #: settled promotions to hot, oldest first: used (True), or wasted or
+        #: overtaken by a demand read while still queued (False)
         self._outcomes: deque[bool] = deque(maxlen=GUARD_WINDOW)
         self._units = itertools.count()
         self._cond = threading.Condition()
@@ -194,6 +197,8 @@ class Promoter:
                     del self._owner[(digest, target)]
                 if planned or digest in self._inflight:
                     self.stats.late += 1
+                if "hot" in planned:  # the promotion came too late: no use
+                    self._outcomes.append(False)
         try:
             yield
         finally:
