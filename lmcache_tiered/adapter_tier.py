@@ -558,7 +558,7 @@ class AdapterTier:
         adapter, self._adapter = self._adapter, None
         if adapter is not None:
             # our probe object goes with us, unless the store is unreachable
-            probe = self._probe_keys if self.degraded is None else []
+            probe = list(self.probe_keys) if self.degraded is None else []
             close_later(adapter, delete_first=probe).join(TIMEOUT_S)
 
 

@@ -45,7 +45,6 @@ import torch
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench import report
-from lmcache_tiered.bench.mpbench import mp_read_gbps
 from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
 from lmcache_tiered.io.uring import UringEngine
 
@@ -395,6 +394,10 @@ def run_placement(
                     measured.cpu_s_per_gb
                 )
             if mp_dirs:  # its first round writes its chunks, untimed
+                # imported here: every CLI start builds this parser, and the
+                # multi-process stack is only needed with --mp
+                from lmcache_tiered.bench.mpbench import mp_read_gbps
+
                 gbps, cpu_s_per_gb = mp_read_gbps(mp_dirs, chunk_bytes, total_bytes)
                 placement.read_gbps.setdefault(MP, []).append(gbps)
                 placement.cpu_s_per_gb.setdefault(MP, []).append(cpu_s_per_gb)
