@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -49,6 +50,7 @@ __all__ = [
     "cpu_pool_bytes",
     "engine_instances",
     "flat_memory_obj",
+    "hook_disk_backend_io",
     "l2_memory_tags",
     "mock_up_broadcast_fn",
     "mock_up_broadcast_object_fn",
@@ -236,6 +238,35 @@ def watch_first_use(obj: Any, callback: Callable[[], None]) -> bool:
     assert isinstance(obj, _WatchedObj)
     obj.on_first_use = callback
     return True
+
+
+# ------------------------------------------------- the stock disk backend
+
+
+def hook_disk_backend_io(backend: Any, after: Callable[[int, float], None]) -> None:
+    """Call ``after(nbytes, began)`` after every chunk file ``LocalDiskBackend``
+    reads or writes (its ``read_file(key, buffer, path)`` and
+    ``write_file(buffer, path)``, wrapped on the instance): the bench models
+    the stock backend's drive as it models ours, and LMCache has no hook for
+    it."""
+    read, write = (getattr(backend, name, None) for name in ("read_file", "write_file"))
+    if not callable(read) or not callable(write):
+        raise _unsupported("LocalDiskBackend.read_file/write_file")
+
+    def read_file(key: Any, buffer: Any, path: str) -> Any:
+        began = time.monotonic()
+        result = read(key, buffer, path)
+        after(len(buffer), began)
+        return result
+
+    def write_file(buffer: Any, path: str) -> Any:
+        began = time.monotonic()
+        result = write(buffer, path)
+        after(len(buffer), began)
+        return result
+
+    backend.read_file = read_file
+    backend.write_file = write_file
 
 
 # ------------------------------------------------------ the L2 adapter base

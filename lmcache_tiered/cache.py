@@ -132,10 +132,6 @@ class TieredCache:
         #: our tiers (written, evicted, dropped as bad, removed); the truth is
         #: :meth:`holds`. The L2 adapter keeps LMCache's accounting with it.
         self.on_change: ChangeCallback | None = None
-        #: how much faster than real time the policies' clock runs: 1 in
-        #: production; a replay that runs N x faster than the server it models
-        #: sets N, so policies' time settings keep their production meaning
-        self.time_scale = 1.0
         self.tiers: dict[TierName, StorageTier] = {}
         try:
             levels: list[tuple[TierName, TierSettings | None]] = [
@@ -248,9 +244,9 @@ class TieredCache:
         return self.chains.continuation(key, limit)
 
     def now(self) -> float:
-        """Seconds on the policies' clock: ``time.monotonic()`` times
-        :attr:`time_scale`."""
-        return time.monotonic() * self.time_scale
+        """Seconds on the policies' clock, ``time.monotonic()`` (the bench
+        replays on the production clock too)."""
+        return time.monotonic()
 
     # ---------------------------------------------------------------- events
 

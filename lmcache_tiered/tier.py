@@ -116,9 +116,10 @@ class Tier:
         self.on_evict: Callable[[list[CacheEngineKey]], None] | None = None
         #: called in the caller's thread after the real I/O of each
         #: :meth:`read`, :meth:`read_payloads` and :meth:`write_payloads`,
-        #: with the payload bytes it moved (0 for none): a link model pays
-        #: its delay here (the bench's remote tiers)
-        self.after_io: Callable[[int], None] | None = None
+        #: with the payload bytes it moved (0 for none) and the
+        #: ``time.monotonic()`` at which the call began: the bench's device
+        #: models hold the caller here (:mod:`lmcache_tiered.bench.devices`)
+        self.after_io: Callable[[int, float], None] | None = None
         names = TierNames(options.paths, owner)
         self.files = TierFileSet(
             options, names, self.geometry, self.stats, read_only=read_only
@@ -244,11 +245,12 @@ class Tier:
         owns the returned MemoryObjs (one reference each). A record that fails
         its checks is dropped from the tier; one that found no memory is not.
         """
+        began = time.monotonic()
         objs: list[MemoryObj | None] = [None] * len(keys)
         with self.health.in_use() as usable:
             if not usable:
                 self.stats.misses += len(keys)
-                return self._moved(objs, 0)
+                return self._moved(objs, 0, began)
             entries = self._begin_reads(keys)
             objs = [None if e is None else allocate(e.header) for e in entries]
             views = [None if o is None else payload_view(o) for o in objs]
@@ -262,14 +264,15 @@ class Tier:
             elif obj is not None:
                 obj.ref_count_down()
                 objs[i] = None
-        return self._moved(objs, moved)
+        return self._moved(objs, moved, began)
 
     def read_payloads(self, keys: Sequence[CacheEngineKey]) -> list[Payload | None]:
         """Read records into fresh aligned buffers (tier-to-tier copies)."""
+        began = time.monotonic()
         with self.health.in_use() as usable:
             if not usable:
                 self.stats.misses += len(keys)
-                return self._moved([None] * len(keys), 0)
+                return self._moved([None] * len(keys), 0, began)
             entries = self._begin_reads(keys)
             views = [
                 None if e is None else aligned_buffer(align_up(e.header.payload_size))
@@ -282,12 +285,15 @@ class Tier:
             else None
             for e, v, ok in zip(entries, views, outcomes, strict=True)
         ]
-        return self._moved(payloads, sum(len(p.view) for p in payloads if p))
+        moved = sum(len(p.view) for p in payloads if p)
+        return self._moved(payloads, moved, began)
 
-    def _moved(self, results: list[_Result], nbytes: int) -> list[_Result]:
+    def _moved(
+        self, results: list[_Result], nbytes: int, began: float
+    ) -> list[_Result]:
         """``results``, once :attr:`after_io` has heard of ``nbytes``."""
         if self.after_io is not None:
-            self.after_io(nbytes)
+            self.after_io(nbytes, began)
         return results
 
     def _read_into(
@@ -408,13 +414,14 @@ class Tier:
         """
         if self.read_only:
             return [False] * len(payloads)
+        began = time.monotonic()
         allowed = None if evict_only is None else {key_digest(k) for k in evict_only}
         with self.health.in_use() as usable:
             if usable:
                 stored, moved = self._write_payloads(payloads, allowed)
-                return self._moved(stored, moved)
+                return self._moved(stored, moved, began)
         self.stats.puts_dropped += len(payloads)
-        return self._moved([False] * len(payloads), 0)
+        return self._moved([False] * len(payloads), 0, began)
 
     def _write_payloads(
         self, payloads: Sequence[Payload], allowed: set[bytes] | None

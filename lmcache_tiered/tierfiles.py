@@ -44,6 +44,12 @@ from lmcache_tiered.layout import (
 from lmcache_tiered.metrics import TierStats
 
 logger = logging.getLogger("lmcache_tiered")
+#: Logged where a tier's directories share a file system (the bench's
+#: modelled drives do on purpose, and filter it by this text).
+SHARED_FILE_SYSTEM_WARNING = (
+    "tier %s: %s are on one file system: chunks are striped over directories, "
+    "not devices, so reads get no faster; list one directory per NVMe device in %s"
+)
 
 #: What :meth:`TierFileSet.load` found: the records a tier serves, in recency
 #: order, and the slots its files hold; or why the files cannot be read.
@@ -140,9 +146,7 @@ class TierFileSet:
                 )
         if not read_only and (shared := shared_file_systems(options.paths)):
             logger.warning(
-                "tier %s: %s are on one file system: chunks are striped over "
-                "directories, not devices, so reads get no faster; list one "
-                "directory per NVMe device in %s",
+                SHARED_FILE_SYSTEM_WARNING,
                 name,
                 " and ".join(shared),
                 options.paths_setting,

@@ -10,6 +10,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,8 @@ from lmcache_tiered.bench import (
     trace,
     variants,
 )
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE, GpuPrefixCache
-from lmcache_tiered.bench.link import LinkModel, emulate_link
+from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE, GpuPrefixCache
+from lmcache_tiered.bench.devices import Device, DeviceSpec, model_tier
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
 
@@ -127,7 +128,7 @@ def test_reference_profile_kv_bytes_and_scale() -> None:
     # 2 (K, V) x 62 layers x 1 KV head per rank (8 / TP8) x 128 x 2 bytes
     assert qwen.kv_bytes_per_token == 31_744
     shape = bench_shape(qwen)
-    assert (shape.head_size, shape.kv_scale, shape.bytes_per_token) == (1984, 4, 7936)
+    assert (shape.head_size, shape.kv_scale, shape.bytes_per_token) == (496, 16, 1984)
     assert shape.chunk_bytes(CHUNK) % 4096 == 0
     assert 30e9 < qwen.active_params < 40e9  # "A35B"
     assert qwen.prefill_s(2000, 0) > qwen.prefill_s(1000, 0) > 0
@@ -141,21 +142,47 @@ def test_reference_profile_kv_bytes_and_scale() -> None:
     assert set(PROFILES) >= {"qwen3-coder-480b-fp8-tp8", "llama-3.1-8b-tp1"}
 
 
-def test_link_model_parses_and_scales_with_the_clock() -> None:
-    link = LinkModel.parse("2.5,0.5")
-    assert (link.gbps, link.latency_s) == (2.5, 0.0005)
-    # 1 GB of bench bytes is clock GB in production, moved clock times faster
-    assert link.delay_s(10**9, clock=8) == pytest.approx(0.0005 / 8 + 0.4)
+def test_device_spec_parses_and_names_bad_text() -> None:
+    spec = DeviceSpec.parse("2.5,0.5")
+    assert (spec.gbps, spec.latency_s) == (2.5, 0.0005)
+    assert str(spec) == "2.5 GB/s + 0.5 ms"
     for text in ("fast", "0", "1,2,3", "1,-1"):
-        with pytest.raises(ValueError, match="cold link"):
-            LinkModel.parse(text)
+        with pytest.raises(ValueError, match="GBPS"):
+            DeviceSpec.parse(text)
 
 
-def test_link_model_delays_reads_and_writes_of_a_tier(
+def test_device_charges_production_bytes_once_and_shares_its_bandwidth() -> None:
+    """10 MB of bench bytes at scale 10 are 100 MB in production: 0.1 s at
+    1 GB/s, plus the 10 ms latency once (not scaled); a second transfer
+    issued at the same time waits for the first's bandwidth, not its
+    latency; real I/O slower than the model is counted, not slept."""
+    device = Device(DeviceSpec(1.0, 0.01), scale=10)
+    began = time.monotonic()
+    threads = [
+        threading.Thread(target=device.transfer, args=(10**7, began)) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    took = time.monotonic() - began
+    assert 0.21 <= took < 0.3
+    assert device.modelled_s == pytest.approx(2 * 0.11)
+    assert device.overrun_s < 0.02
+    slow = Device(DeviceSpec(1.0, 0.01), scale=10)
+    late = time.monotonic()
+    slow.transfer(10**6, began=late - 1.0)  # its real I/O took 1 s
+    assert time.monotonic() - late < 0.05
+    assert slow.overrun_s > 0.9
+    assert variants.overrun_share([slow]) > 0.9
+    assert variants.overrun_share([device, slow]) < variants.overrun_share([slow])
+
+
+def test_device_model_holds_reads_and_writes_of_a_tier(
     tier_factory: Any, allocator: Any
 ) -> None:
-    """Demand reads, tier-to-tier payload reads and writes all pay the link;
-    misses move no bytes and pay nothing."""
+    """Demand reads, tier-to-tier payload reads and writes all go through the
+    device; misses move no bytes and pay nothing."""
     tier = tier_factory()
     obj = allocator.allocate(
         torch.Size([2, 2, 64, 128]), torch.bfloat16, MemoryFormat.KV_2LTD
@@ -163,8 +190,8 @@ def test_link_model_delays_reads_and_writes_of_a_tier(
     stored, missing = (
         CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in (5, 6)
     )
-    # 64 KiB over 0.001 GB/s: 65.5 ms, plus 100 ms of latency / clock 10
-    emulate_link(tier, LinkModel(0.001, 0.1), clock=10)
+    # 64 KiB x 2 (scale) over 0.002 GB/s: 65.5 ms, plus 10 ms of latency
+    model_tier(tier, Device(DeviceSpec(0.002, 10), scale=2))
 
     def timed(io: Any) -> float:
         began = time.perf_counter()
@@ -200,6 +227,9 @@ def bench_argv(tmp_path: Path, trace_path: Path) -> list[str]:
         str(tmp_path / "cold"),
         "--concurrency",
         "2",
+        # in this process, where a test can watch: --jobs 2 has a test of its own
+        "--jobs",
+        "1",
     ]
 
 
@@ -211,14 +241,15 @@ def bench_args(tmp_path: Path, trace_path: Path, *extra: str) -> argparse.Namesp
 
 
 def session_trace(tmp_path: Path) -> Path:
-    """A: 3 full chunks + 100 tokens; B, 150 s later: A's prompt + 600 tokens;
-    C: unrelated. (150 s is 0.15 s on the bench clock: A is stored by then.)"""
+    """A: 3 full chunks + 100 tokens; B, 1 s later: A's prompt + 600 tokens;
+    C: unrelated. (A is stored by then: its 0.1 GB of production KV take
+    0.1 s on the warm drive.)"""
     return write_trace(
         tmp_path / "session.jsonl",
         [
             mooncake(0, 3 * CHUNK + 100, [7, 8]),
-            mooncake(150_000, 3 * CHUNK + 700, [7, 8, 9]),
-            mooncake(200_000, 300, [20]),
+            mooncake(1000, 3 * CHUNK + 700, [7, 8, 9]),
+            mooncake(1200, 300, [20]),
         ],
     )
 
@@ -242,7 +273,7 @@ def test_served_chunks_per_tier(tmp_path: Path, variant: str, hot_gb: str) -> No
     assert a.served == {} and c.served == {}
     assert b.served == b.found == ({"hot": 3} if hot_gb != "0" else {"warm": 3})
     assert all(r.arrival <= r.scheduled <= r.loaded <= r.first_token for r in (a, b))
-    summary = report.summarize(result, clock=1024)
+    summary = report.summarize(result)
     assert summary["requests"] == 3
     tier = "hot" if hot_gb != "0" else "warm"
     assert summary["hit_rate"][tier] == pytest.approx(3 / 12)
@@ -331,21 +362,32 @@ def test_baseline_disk_gives_the_stock_backend_its_own_directories(
     assert default.baseline_paths == default.warm_paths
 
 
-def test_policies_see_production_seconds(tmp_path: Path) -> None:
-    """The replay runs ``clock`` x faster than the modelled server; a policy's
-    time settings (think-time leads, windows) keep their production meaning."""
-    args = bench_args(tmp_path, session_trace(tmp_path))
+def test_stock_backend_reads_and_writes_through_its_modelled_drive(
+    tmp_path: Path,
+) -> None:
+    """LocalDiskBackend's chunk files go through a drive of the warm kind, as
+    the plugin's tiers do: the comparison is on the same modelled hardware."""
+    args = bench_args(tmp_path, session_trace(tmp_path), "--hot-gb", "0")
     setup = scenario.make_setup(args, scenario.load_requests(args))
-    dirs = variants.VariantDirs.create(setup, "none")
-    engine, backend = variants.build_variant("none", setup, dirs)
+    dirs = variants.VariantDirs.create(setup, variants.LOCAL_DISK)
+    built = variants.build_variant(variants.LOCAL_DISK, setup, dirs)
     try:
-        assert backend is not None and backend.cache is not None
-        began_wall, began = time.monotonic(), backend.cache.now()
-        time.sleep(0.05)
-        wall = time.monotonic() - began_wall
-        assert backend.cache.now() - began == pytest.approx(wall * setup.clock, rel=0.2)
+        drive = built.devices["disk"]
+        assert drive.spec == setup.warm_drive and drive.count == 1
+        tokens = torch.arange(2 * CHUNK)
+        kv = torch.zeros(1, 2, 2 * CHUNK, 1, setup.shape.head_size).bfloat16()
+        built.engine.store(tokens, kvcaches=kv)
+        testing.wait_for_puts(built.engine, tokens)
+        assert drive.transfers == 2 and drive.bytes == 2 * setup.chunk_bytes
+        testing.retrieve_tokens(built.engine, tokens, kv=kv)
+        assert drive.transfers == 4
+        # production bytes at the drive's rate, the latency once a command
+        production = 4 * setup.chunk_bytes * setup.shape.kv_scale
+        assert drive.modelled_s == pytest.approx(
+            production / (drive.spec.gbps * 1e9) + 4 * drive.spec.latency_s
+        )
     finally:
-        testing.destroy_engine(engine)
+        testing.destroy_engine(built.engine)
         dirs.remove()
 
 
@@ -353,13 +395,13 @@ def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     """A closed-loop turn arrives its think time after the previous finished."""
     requests = [
         Request(0.0, 300, 40, (1,)),
-        Request(0.0, 400, 2, (1,), after=0, think_s=50.0),
+        Request(0.0, 400, 2, (1,), after=0, think_s=0.3),
     ]
     args = bench_args(tmp_path, session_trace(tmp_path))
     setup = scenario.make_setup(args, requests)
     workload = scenario.Workload.build(requests, setup.shape, 0)
     first, second = variants.run_variant("none", setup, workload, "x").records
-    assert second.arrival >= first.finished + 50.0 / setup.clock
+    assert second.arrival >= first.finished + 0.3
 
 
 def test_cli_writes_json_and_reports_missing_policy(
@@ -398,7 +440,8 @@ def test_cli_writes_json_and_reports_missing_policy(
     assert entry["warmup_held_back"] is None  # none plans nothing
     assert set(entry["hit_rate"]) == {"gpu", "hot", "warm", "cold"}
     assert entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
-    assert document["config"]["clock_factor"] == 1024
+    assert document["config"]["kv_scale"] == 1024
+    assert document["config"]["warm_drive"] == {"gbps": 1.31, "latency_s": 0.0001}
     # the variants' directories are gone
     assert not [*(tmp_path / "warm").iterdir(), *(tmp_path / "cold").iterdir()]
 
@@ -418,13 +461,45 @@ def test_default_run_writes_the_picture_and_says_what_it_compared(
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert picture.stat().st_size > 20_000  # three panels drawn, not a blank page
     [summary] = [line for line in out.splitlines() if line.startswith("summary: ")]
-    assert "cold tier remote behind a modelled link of 2 GB/s + 1 ms" in summary
-    assert "vs LMCache's stock LocalDiskBackend (the local disk only" in summary
-    assert "Best tiered variant " in summary and "tok/s" in summary
+    assert "cold remote behind 5.23 GB/s + 0.1 ms" in summary
+    assert f"against vLLM alone ({NO_EXTERNAL_CACHE})" in summary
+    assert f"{variants.LOCAL_DISK} " in summary and "all_hot_bound " in summary
     rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
-    assert {"none", "hinted", variants.LOCAL_DISK} <= set(rows)
-    link = json.loads((tmp_path / "r.json").read_text())["config"]["cold_link"]
-    assert link == {"gbps": 2.0, "latency_s": 0.001}
+    assert {"none", "hinted", variants.LOCAL_DISK, "all_hot_bound"} <= set(rows)
+    config = json.loads((tmp_path / "r.json").read_text())["config"]
+    assert config["cold_link"] == {"gbps": 5.23, "latency_s": 0.0001}
+
+
+def test_jobs_replay_variants_in_processes_of_their_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--jobs 2: the variants with an engine run two at a time, each in a
+    spawned process that builds the same workload from the seed; their
+    results come back whole, and they find the same hits as in this one."""
+    args = bench_args(
+        tmp_path,
+        session_trace(tmp_path),
+        "--hot-gb",
+        "0",
+        "--policies",
+        "none,hinted",
+        "--jobs",
+        "2",
+        "--json",
+        str(tmp_path / "r.json"),
+        "--plot",
+        "none",
+    )
+    assert args.func(args) == 0
+    err = capsys.readouterr().err
+    for name in ("none", "hinted", variants.LOCAL_DISK):
+        assert re.search(rf"\] {name} .* done in \d+s", err), err
+    policies = json.loads((tmp_path / "r.json").read_text())["policies"]
+    for name in ("none", "hinted", variants.LOCAL_DISK):
+        # B's three chunks of A, from disk (no CPU tier)
+        assert policies[name]["hit_rate"]["warm"] == pytest.approx(3 / 12), name
+        assert policies[name]["requests"] == 3
+    assert not [*(tmp_path / "warm").iterdir(), *(tmp_path / "cold").iterdir()]
 
 
 def test_bench_refuses_an_unwritable_picture_path_before_running(
@@ -439,30 +514,102 @@ def test_bench_refuses_an_unwritable_picture_path_before_running(
     assert "--plot none for no picture" in capsys.readouterr().err
 
 
-def test_summary_line_names_the_winner_against_the_stock_backend() -> None:
-    def entry(ttft: float, tps: float) -> dict[str, float]:
-        return {"ttft_p50_s": ttft, "throughput_tps": tps}
+def entry(ttft: float, tps: float, valid: bool = True) -> dict[str, Any]:
+    """A summary with what the summary line and the table read."""
+    return {
+        "ttft_p50_s": ttft,
+        "throughput_tps": tps,
+        "valid": valid,
+        "load_p50_s": 0.5,
+        "hit_rate": {"gpu": 0.2, "hot": 0.1, "warm": 0.2, "cold": 0.0},
+    }
 
+
+def test_summary_line_judges_the_best_valid_variant_against_vllm_alone() -> None:
+    contenders = ["none", "hinted"]
+    beside = [variants.LOCAL_DISK, ALL_HOT]
     won = report.summary_line(
-        {"none": entry(3.0, 280), "hinted": entry(2.0, 300), "stock": entry(4.0, 250)},
+        {
+            "none": entry(3.0, 280),
+            "hinted": entry(2.0, 300),
+            NO_EXTERNAL_CACHE: entry(4.0, 250),
+            variants.LOCAL_DISK: entry(5.0, 240),
+        },
         "A vs B",
-        "stock",
+        contenders,
+        NO_EXTERNAL_CACHE,
+        beside,
     )
     assert won == (
-        "summary: A vs B. Best tiered variant hinted: TTFT p50 2.00s vs 4.00s stock "
-        "(-50%), 300 vs 250 tok/s (+20%): hinted serves first tokens sooner and "
-        "at least as many tok/s."
+        "summary: A vs B. Best tiered variant hinted: TTFT p50 2.00s vs 4.00s "
+        "no_external_cache (-50%), 300 vs 250 tok/s (+20%); lmcache_local_disk "
+        "5.00s (+25%), 240 tok/s: hinted serves first tokens sooner and at least "
+        "as many tok/s."
     )
     lost = report.summary_line(
-        {"none": entry(3.0, 280), "stock": entry(2.0, 300)}, "A vs B", "stock"
+        {"none": entry(3.0, 280), NO_EXTERNAL_CACHE: entry(2.0, 300)},
+        "A",
+        contenders,
+        NO_EXTERNAL_CACHE,
+        beside,
     )
-    assert lost is not None and "the stock backend wins here" in lost
-    # without the baseline, the best policy against none
-    alone = report.summary_line(
-        {"none": entry(3.0, 280), "hinted": entry(2.0, 300)}, "A", "stock"
+    assert lost is not None and "no_external_cache wins here: LMCache served" in lost
+    # an invalid variant is never the best; with none valid, nothing is compared
+    skipped = report.summary_line(
+        {
+            "none": entry(3.0, 280),
+            "hinted": entry(1.0, 400, valid=False),
+            NO_EXTERNAL_CACHE: entry(4.0, 250),
+        },
+        "A",
+        contenders,
+        NO_EXTERNAL_CACHE,
+        beside,
     )
-    assert alone is not None and "2.00s vs 3.00s none (-33%)" in alone
-    assert report.summary_line({"none": entry(3.0, 280)}, "A", "stock") is None
+    assert skipped is not None and "Best tiered variant none:" in skipped
+    nothing = report.summary_line(
+        {"none": entry(3.0, 280, valid=False), NO_EXTERNAL_CACHE: entry(4.0, 250)},
+        "A",
+        contenders,
+        NO_EXTERNAL_CACHE,
+        beside,
+    )
+    assert nothing is not None and "Not compared: no tiered variant" in nothing
+    assert (
+        report.summary_line(
+            {"none": entry(3.0, 280)}, "A", contenders, NO_EXTERNAL_CACHE, beside
+        )
+        is None
+    )
+
+
+def test_bound_share_is_the_part_of_the_bounds_gain_a_policy_captures() -> None:
+    summaries = {
+        "none": entry(10.0, 100),
+        "hinted": entry(7.0, 110),
+        "session": entry(11.0, 100),
+        "lookahead": entry(1.0, 100, valid=False),
+        ALL_HOT: entry(4.0, 130),
+    }
+    shares = report.bound_shares(
+        summaries, ["hinted", "session", "lookahead"], "none", ALL_HOT
+    )
+    assert shares == {"hinted": pytest.approx(0.5), "session": pytest.approx(-1 / 6)}
+    summaries[ALL_HOT] = entry(10.0, 100)  # the bound gains nothing: no share
+    assert report.bound_shares(summaries, ["hinted"], "none", ALL_HOT) == {}
+
+
+def test_validity_judges_lag_against_ttft_and_overrun_against_device_time() -> None:
+    assert report.validity(0.04, 1.0, 0.0)["valid"]
+    late = report.validity(0.06, 1.0, 0.0)
+    assert not late["valid"] and late["lag_share"] == pytest.approx(0.06)
+    assert report.validity(0.0, 1.0, 0.09)["valid"]
+    assert not report.validity(0.0, 1.0, 0.11)["valid"]
+    note = command.invalid_note(
+        "none", {**report.validity(0.2, 1.0, 0.3), "lag_max_s": 0.2}
+    )
+    assert "20% of its TTFT p50" in note and "30% longer than the modelled" in note
+    assert "--kv-scale" in note and "fewer --jobs" in note
 
 
 def test_repeats_rotate_the_order_and_report_paired_changes(
@@ -488,14 +635,17 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
         str(out),
     )
     assert args.func(args) == 0
-    # no variant always runs first (or right after the same one)
+    # the variants without an engine first (they take no time), then no
+    # variant always runs first (or right after the same one)
     assert order == [
+        NO_EXTERNAL_CACHE,
+        ALL_HOT,
         "none",
         "lookahead",
-        NO_EXTERNAL_CACHE,
         variants.LOCAL_DISK,
-        "lookahead",
         NO_EXTERNAL_CACHE,
+        ALL_HOT,
+        "lookahead",
         variants.LOCAL_DISK,
         "none",
     ]
@@ -557,13 +707,16 @@ def test_several_concurrencies_run_each_and_print_the_seeds_table(
     monkeypatch.setattr(variants, "run_variant", recorded)
     out, picture = tmp_path / "r.json", tmp_path / "both.png"
     argv = bench_argv(tmp_path, session_trace(tmp_path))
-    assert argv[-2:] == ["--concurrency", "2"]
-    argv[-1] = "1,2"
+    at = argv.index("--concurrency") + 1
+    assert argv[at] == "2"
+    argv[at] = "1,2"
     extra = ["--policies", "none", "--repeat", "2", "--json", str(out)]
     assert cli.main([*argv, *extra, "--plot", str(picture)]) == 0
-    names = ["none", NO_EXTERNAL_CACHE, variants.LOCAL_DISK]
-    # the same rounds at each concurrency, one after the other
-    rotated = names + names[1:] + names[:1]
+    # the variants in their first run's order: those without an engine
+    # first in each round, then the rest rotated; the same rounds at each
+    # concurrency, one after the other
+    names = [NO_EXTERNAL_CACHE, ALL_HOT, "none", variants.LOCAL_DISK]
+    rotated = names + [NO_EXTERNAL_CACHE, ALL_HOT, variants.LOCAL_DISK, "none"]
     assert ran == [(1, n) for n in rotated] + [(2, n) for n in rotated]
     printed = capsys.readouterr().out
     lines = printed.splitlines()
@@ -616,8 +769,9 @@ def test_a_bad_concurrency_list_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str
 ) -> None:
     argv = bench_argv(tmp_path, session_trace(tmp_path))
+    argv[argv.index("--concurrency") + 1] = given
     with pytest.raises(SystemExit) as exited:
-        cli.main([*argv[:-1], given])
+        cli.main(argv)
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --concurrency: {given!r}" in err
@@ -691,13 +845,10 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         "none", [record, record], 1024, None, {}, None, None, None, 1
     )
     stock = report.RunResult("stock", [record], 1024, None, {}, None, None, None, 1)
-    summaries = {
-        "none": report.summarize(result, clock=8),
-        "stock": report.summarize(stock, clock=8),
-    }
+    summaries = {"none": report.summarize(result), "stock": report.summarize(stock)}
     path = tmp_path / "bench.png"
     runs = {"none": [result, result], "stock": [stock]}
-    plot.draw_run(str(path), runs, summaries, clock=8, title="A vs B", baseline="stock")
+    plot.draw_run(str(path), runs, summaries, "A vs B", "none", "stock")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -712,8 +863,13 @@ def test_repeated_runs_combine_to_medians() -> None:
             "hit_rate": {"hot": h},
             "warmup_precision": p,
             "backend_metrics": {},
+            **report.validity(lag, t, 0.0),
         }
-        for t, h, p in ((3.0, 0.1, None), (1.0, 0.3, 0.5), (2.0, 0.2, None))
+        for t, h, p, lag in (
+            (3.0, 0.1, None, 0.0),
+            (1.0, 0.3, 0.5, 0.1),
+            (2.0, 0.2, None, 0.0),
+        )
     ]
     combined = report.combine(runs)
     assert combined["ttft_p50_s"] == 2.0
@@ -722,6 +878,8 @@ def test_repeated_runs_combine_to_medians() -> None:
     assert combined["runs"] == 3 and combined["backend_metrics"] == [{}, {}, {}]
     assert combined["per_run"]["ttft_p50_s"] == [3.0, 1.0, 2.0]
     assert report.combine(runs[:1])["warmup_precision"] is None
+    # a variant is as valid as its worst run
+    assert combined["lag_share"] == pytest.approx(0.1) and not combined["valid"]
 
 
 def test_paired_changes_compare_run_i_with_run_i_of_none() -> None:
@@ -760,7 +918,8 @@ def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
         kv = torch.zeros(1, 2, 2 * CHUNK, 1, setup.shape.head_size).bfloat16()
         engine.store(tokens, kvcaches=kv)
         testing.retrieve_tokens(engine, tokens, kv=kv)
-        nbytes = 2 * 2 * CHUNK * setup.shape.bytes_per_token  # down, then up
+        # the production bytes, down then up
+        nbytes = 2 * 2 * CHUNK * setup.profile.kv_bytes_per_token
         assert copies.modelled_s == pytest.approx(
             nbytes / setup.profile.pcie_bytes_per_s
         )
@@ -894,7 +1053,7 @@ def test_gpu_prefix_cache_serves_reuse_before_lmcache(
     a, b, c = result.records
     assert b.served == b.found == {"gpu": 3}
     assert a.served == {} and c.served == {}
-    summary = report.summarize(result, clock=1024)
+    summary = report.summarize(result)
     assert summary["hit_rate"]["gpu"] == pytest.approx(3 / 12)
     assert summary["bytes_read"]["hot"] == 0
     gpu = result.backend_metrics["gpu_prefix_cache"]
@@ -913,8 +1072,8 @@ def test_lmcache_loads_only_past_the_gpu_share(tmp_path: Path) -> None:
         [
             mooncake(0, 4 * CHUNK + 100, [7, 8, 9]),
             # evicts A's tail block (9), then A's second (8): A's head remains
-            mooncake(50_000, BLOCK_TOKENS, [30]),
-            mooncake(200_000, 4 * CHUNK + 300, [7, 8, 9]),
+            mooncake(500, BLOCK_TOKENS, [30]),
+            mooncake(1500, 4 * CHUNK + 300, [7, 8, 9]),
         ],
     )
     args = bench_args(tmp_path, trace_path, "--hot-gb", "0.05", "--gpu-kv-gb", str(gb))
@@ -951,9 +1110,8 @@ def test_preset_sets_what_the_command_line_left_at_its_default(
     )
     presets.apply(args.preset, args, args.preset_defaults, command.PRESET_PARSE)
     assert args.workload == "long"
-    assert args.warm_link == LinkModel(5.23, 0.0)
     # given on the command line: kept
-    assert args.cold_link == LinkModel(1.0, 0.001)
+    assert args.cold_link == DeviceSpec(1.0, 0.001)
     assert args.kv_scale == 1024 and args.profile == "llama-3.1-8b-tp1"
 
 
@@ -967,7 +1125,8 @@ def test_seed_preset_without_overrides_is_the_documented_point(tmp_path: Path) -
         "long",
         16.0,
     )
-    assert args.cold_link == LinkModel(5.23, 0.0001)
+    assert args.cold_link == DeviceSpec(5.23, 0.0001)
+    assert args.warm_drive == DeviceSpec(1.31, 0.0001)
 
 
 def _summary(ttft: float, tps: float) -> dict[str, float]:

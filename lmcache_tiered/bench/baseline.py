@@ -1,4 +1,5 @@
-"""vLLM's GPU prefix cache, and the seed's baseline that has nothing else.
+"""vLLM's GPU prefix cache, the seed's baseline that has nothing else, and
+the all-hot bound that has an unbounded one.
 
 vLLM keeps the KV blocks of finished requests in HBM until it needs the room
 (automatic prefix caching, on by default): a new request reuses its longest
@@ -29,6 +30,11 @@ from lmcache_tiered.bench import trace
 
 #: The variant with vLLM's GPU prefix cache only: no LMCache at all.
 NO_EXTERNAL_CACHE = "no_external_cache"
+#: The bound on every cache: vLLM with unbounded HBM, so every reused token
+#: (a prefix some earlier request computed) is served at no cost at all.
+ALL_HOT = "all_hot_bound"
+#: The GPU prefix cache's capacity in the all-hot bound (tokens).
+UNBOUNDED = 1 << 62
 #: vLLM's KV block size (tokens): the unit of a prefix-cache hit.
 VLLM_BLOCK_TOKENS = 16
 

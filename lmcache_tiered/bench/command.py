@@ -16,12 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from lmcache_tiered.bench import plot, presets, report, trace, variants
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.link import LinkModel
+from lmcache_tiered.bench import plot, presets, report, rounds, trace
+from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.devices import DeviceSpec
 from lmcache_tiered.bench.profiles import DEFAULT_PROFILE, PROFILES
 from lmcache_tiered.bench.report import RunResult
 from lmcache_tiered.bench.scenario import (
+    DEFAULT_WARM_DRIVES,
     Setup,
     Workload,
     check_space,
@@ -35,7 +36,6 @@ from lmcache_tiered.bench.scenario import (
 from lmcache_tiered.bench.variants import (
     LOCAL_DISK,
     TWIN_MARK,
-    VariantUnavailable,
     number_twins,
     policy_of,
 )
@@ -46,7 +46,7 @@ from lmcache_tiered.warmup import installed_policies
 DESCRIPTION = """\
 ``lmcache-tiered bench``: replay a workload through real LMCache and real I/O.
 
-Only the GPU is modelled. The serving model is one vLLM instance with
+Only the GPU and the drives are modelled. The serving model is one vLLM instance with
 LMCache's synchronous loading, its default:
 
 - a frontend thread releases each request at its arrival time, sends the
@@ -67,18 +67,40 @@ The loop keeps a GPU clock that modelled compute and the measured time of
 real LMCache calls advance; it sleeps until the wall clock catches up, so a
 late wake-up (another thread holding the GIL) delays no later step.
 
-Every variant (each ``--policies`` entry, then LMCache's stock
-``LocalDiskBackend`` as the no-plugin baseline) gets a fresh engine and fresh
-directories under ``--warm``/``--cold``. All run in this one process, so
-LMCache's token hashing (PYTHONHASHSEED) is the same for all of them. KV
-bytes and the clock are scaled down together (``--kv-scale``, see
-:mod:`lmcache_tiered.bench.profiles`); reported times are production seconds.
+The replay runs on the production clock: each real cost (LMCache's Python per
+call, threads, syscalls) is charged once, as production pays it. Only KV
+bytes are scaled down (``--kv-scale F``), and every drive and link is
+modelled at its production rate for F times the bytes really moved
+(:mod:`lmcache_tiered.bench.devices`), so F changes what fits this machine,
+not the verdict. A variant whose replay fell behind its GPU clock by more
+than 5 % of its TTFT p50, or whose real I/O overran the modelled drives by
+more than 10 % of their time, is reported as not valid and compared with
+nothing.
+
+Every variant (each ``--policies`` entry; vLLM alone, ``no_external_cache``,
+the reference every change is measured against; LMCache's stock
+``LocalDiskBackend`` on one drive; the all-hot bound, vLLM with unbounded
+HBM) gets a fresh engine and fresh directories under ``--warm``/``--cold``.
+The variants without LMCache run on virtual time, in a moment; the others
+``--jobs`` at a time, each in a process of its own, so none makes another's
+replay lag for the GIL (a variant's keys never leave its process, so
+LMCache's token hashing needs no common PYTHONHASHSEED).
 """
-#: Production seconds the replay may fall behind its GPU clock unremarked.
-LAG_NOTE_S = 1.0
-#: The deployment the plugin is built for: local NVMe (warm) in front of a
-#: remote cold tier (NVMe-oF, a shared file system), here 2 GB/s + 1 ms.
-DEFAULT_COLD_LINK = "2,1"
+#: The deployment the plugin is built for, at the seed's rates: warm, four
+#: local NVMe drives of 1.31 GB/s + 0.1 ms (5.23 GB/s striped, the seed's
+#: parallel-read rate; one drive, the stock backend's, near its 0.98 GB/s);
+#: cold, NVMe-oF at the seed's 5.23 GB/s + 0.1 ms a command.
+DEFAULT_WARM_DRIVE = "1.31,0.1"
+#: Variants replayed at once, each in a process of its own: three kept
+#: valid on the 2-core machine the defaults are sized for (docs/bench.md).
+DEFAULT_JOBS = 3
+#: The policies of a run with no options: with the stock backend, one round
+#: of DEFAULT_JOBS.
+DEFAULT_POLICIES = ("none", "hinted")
+#: The built-in workload of a run with no options: its working set is larger
+#: than vLLM's HBM cache and LMCache's CPU tier, as the seed's was.
+DEFAULT_WORKLOAD = "agent"
+DEFAULT_COLD_LINK = "5.23,0.1"
 #: Where the picture goes unless --plot says otherwise.
 DEFAULT_PLOT = "lmcache-tiered-bench.png"
 
@@ -108,8 +130,9 @@ def add_parser(subparsers: Any) -> None:
     load.add_argument(
         "--workload",
         choices=list(trace.WORKLOADS),
-        default="multi-turn",
-        help="built-in workload when no --trace is given (default: multi-turn)",
+        default=DEFAULT_WORKLOAD,
+        help="built-in workload when no --trace is given (default: "
+        f"{DEFAULT_WORKLOAD})",
     )
     load.add_argument(
         "--limit", type=int, metavar="N", help="replay only the first N requests"
@@ -135,7 +158,9 @@ def add_parser(subparsers: Any) -> None:
         "--kv-scale",
         type=float,
         metavar="F",
-        help="divide KV bytes and the modelled clock by F (default: the profile's)",
+        help="store F times fewer KV bytes than production, so the run fits this "
+        "machine; the modelled drives charge production's bytes, so F does not "
+        "change the verdict (default: the profile's)",
     )
     model.add_argument(
         "--concurrency",
@@ -158,15 +183,18 @@ def add_parser(subparsers: Any) -> None:
     tiers.add_argument(
         "--policies",
         metavar="LIST",
-        help="warm-up policies to compare, comma-separated (default: every "
-        "installed one, none first); a name given twice runs twice, as "
-        "NAME#2: 'none,none' measures the run-to-run noise",
+        help="warm-up policies to compare, comma-separated, or 'all' installed "
+        f"ones (default: {','.join(DEFAULT_POLICIES)}: no warm-up and the "
+        "arrival-hint policy, so the default run is one round of --jobs); a "
+        "name given twice runs twice, as NAME#2: 'none,none' measures the "
+        "run-to-run noise",
     )
     tiers.add_argument(
         "--no-baseline",
         action="store_true",
-        help=f"skip the baselines: LMCache's stock LocalDiskBackend ({LOCAL_DISK}) "
-        f"and vLLM's GPU prefix cache alone ({NO_EXTERNAL_CACHE})",
+        help=f"skip the baselines: LMCache's stock LocalDiskBackend ({LOCAL_DISK}), "
+        f"vLLM's GPU prefix cache alone ({NO_EXTERNAL_CACHE}) and the all-hot "
+        f"bound ({ALL_HOT})",
     )
     tiers.add_argument(
         "--gpu-kv-gb",
@@ -187,7 +215,7 @@ def add_parser(subparsers: Any) -> None:
         "--warm-gb",
         type=float,
         metavar="GB",
-        help="warm tier cap (default: half of the distinct KV)",
+        help="warm tier cap (default: the distinct KV and a little room)",
     )
     tiers.add_argument(
         "--cold-gb",
@@ -198,15 +226,16 @@ def add_parser(subparsers: Any) -> None:
     tiers.add_argument(
         "--warm",
         metavar="DIRS",
-        help="warm tier directories, one per device, comma-separated (default: "
-        "the temp directory, or the current one if that is in memory)",
+        help="warm tier directories, one per drive, comma-separated; a directory "
+        "named N times holds N modelled drives (default: "
+        f"{DEFAULT_WARM_DRIVES} drives in the temp directory, or in the current "
+        "one if that is in memory)",
     )
     tiers.add_argument(
         "--baseline-disk",
         metavar="DIRS",
-        help="directories of the stock LocalDiskBackend baseline (default: as "
-        "--warm); e.g. one drive of --warm's, to compare LMCache's disk tier on "
-        "one NVMe with the plugin striping over all of them",
+        help="directory of the stock LocalDiskBackend baseline, on one modelled "
+        "drive like a warm one (default: one of --warm's)",
     )
     tiers.add_argument(
         "--cold",
@@ -229,24 +258,36 @@ def add_parser(subparsers: Any) -> None:
         type=_link_arg,
         default=DEFAULT_COLD_LINK,
         metavar="GBPS[,MS]|none",
-        help="the cold tier is remote: a link of this bandwidth and latency "
-        "(production units) is paid after each real read and write of it "
-        f"(default: {DEFAULT_COLD_LINK}, i.e. 2 GB/s + 1 ms); 'none': warm and "
-        "cold on one local disk, the stock baseline then gets both capacities",
+        help="the cold tier is remote: a link of this bandwidth and latency per "
+        "command, production units, shared by its reads and writes (default: "
+        f"{DEFAULT_COLD_LINK}); 'none': cold on local drives like the warm "
+        "ones, the stock baseline then gets both capacities",
     )
     tiers.add_argument(
-        "--warm-link",
+        "--warm-drive",
         type=_link_arg,
-        default="none",
+        default=DEFAULT_WARM_DRIVE,
         metavar="GBPS[,MS]|none",
-        help="model the warm tier's device as a link of this bandwidth and "
-        "latency too (production units; default: none, this disk as it is)",
+        help="each warm directory's drive (and the stock backend's): bandwidth "
+        "and latency per command, production units, shared by its reads and "
+        f"writes (default: {DEFAULT_WARM_DRIVE}); 'none': this machine's disk "
+        "as it is, which counts F times faster than it is unless --kv-scale 1",
     )
     tiers.add_argument(
         "--io-engine",
         choices=["auto", "uring", "threads"],
         default="auto",
         help="the plugin's I/O engine (default: auto)",
+    )
+    model.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULT_JOBS,
+        metavar="N",
+        help="variants replayed at once, each in a process of its own (they "
+        "share this machine's cores and disk: a run the machine could not keep "
+        "up with is reported as not valid; 1: one after the other, in this "
+        f"process) (default: {DEFAULT_JOBS})",
     )
     model.add_argument(
         "--repeat",
@@ -279,16 +320,25 @@ def _same(value: Any) -> Any:
     return value
 
 
-def default_policies() -> list[str]:
-    """Every installed warm-up policy, ``none`` (the reference) first."""
+def all_policies() -> list[str]:
+    """Every installed warm-up policy, ``none`` (no warm-up) first."""
     return sorted(installed_policies(), key=lambda name: (name != "none", name))
 
 
-def _link_arg(text: str) -> LinkModel | None:
+def chosen_policies(text: str | None) -> list[str]:
+    """``--policies``: the default pair, ``all`` installed ones, or a list."""
+    if text is None:
+        return list(DEFAULT_POLICIES)
+    if text.strip() == "all":
+        return all_policies()
+    return split_list(text)
+
+
+def _link_arg(text: str) -> DeviceSpec | None:
     if text == "none":
         return None
     try:
-        return LinkModel.parse(text)
+        return DeviceSpec.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -317,7 +367,7 @@ def _adapter_arg(text: str) -> dict[str, Any]:
 #: How a preset's text settings become values, as their options' types do.
 PRESET_PARSE: dict[str, Callable[[Any], Any]] = {
     "cold_link": _link_arg,
-    "warm_link": _link_arg,
+    "warm_drive": _link_arg,
 }
 
 
@@ -335,12 +385,12 @@ def main(args: argparse.Namespace) -> int:
     """Run every variant on the same workload at each concurrency; print,
     and write JSON/PNG."""
     presets.apply(args.preset, args, args.preset_defaults, PRESET_PARSE)
-    policies = split_list(args.policies) if args.policies else default_policies()
+    policies = chosen_policies(args.policies)
     plot_path = None if args.plot == "none" else args.plot
     try:
         if plot_path is not None:
             check_plot_path(plot_path)
-        for option in ("repeat", "token_budget"):
+        for option in ("repeat", "token_budget", "jobs"):
             if getattr(args, option) < 1:
                 raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
         requests = load_requests(args)
@@ -356,12 +406,14 @@ def main(args: argparse.Namespace) -> int:
         f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"
     )
     print(describe(setup, requests, source, args.concurrency), flush=True)
-    baselines = [] if args.no_baseline else [NO_EXTERNAL_CACHE, LOCAL_DISK]
+    baselines = [] if args.no_baseline else [NO_EXTERNAL_CACHE, LOCAL_DISK, ALL_HOT]
     names = number_twins(
         policies + [name for name in baselines if name not in policies]
     )
     workload = Workload.build(requests, setup.shape, args.seed)
-    runs, unavailable = run_rounds(names, setups, workload, args.repeat)
+    runs, unavailable = rounds.run_rounds(
+        names, setups, workload, args.repeat, args.jobs
+    )
     several = len(setups) > 1
     by_concurrency: dict[int, dict[str, dict[str, Any]]] = {}
     for each in setups:
@@ -386,7 +438,7 @@ def main(args: argparse.Namespace) -> int:
             )
         )
         print(report.seed_table(rows, REFERENCES))
-    title = compared(setup, any(LOCAL_DISK in s for s in by_concurrency.values()))
+    title = compared(setup)
     if args.json:
         documents = {
             c: {
@@ -419,8 +471,8 @@ def main(args: argparse.Namespace) -> int:
                 plot_path,
                 runs[setup.concurrency],
                 by_concurrency[setup.concurrency],
-                setup.clock,
                 title,
+                NO_EXTERNAL_CACHE,
                 LOCAL_DISK,
             )
         print(f"picture: {os.path.abspath(plot_path)}")
@@ -432,65 +484,30 @@ def main(args: argparse.Namespace) -> int:
 REFERENCES = (NO_EXTERNAL_CACHE, "none")
 
 
-def run_rounds(
-    names: Sequence[str], setups: Sequence[Setup], workload: Workload, repeat: int
-) -> tuple[dict[int, dict[str, list[RunResult]]], dict[str, str]]:
-    """Every variant ``repeat`` times at each setup's concurrency, in turn;
-    the results per concurrency and variant, and the variants that could not
-    run (not tried again) with the reason."""
-    runs: dict[int, dict[str, list[RunResult]]] = {s.concurrency: {} for s in setups}
-    unavailable: dict[str, str] = {}
-    total = len(names) * repeat * len(setups)
-    # interleaved, each round starting one variant later (A B C, B C A, ...):
-    # drift of the disk or of other load on the machine then touches every
-    # variant alike, and no variant always runs first
-    rounds = (
-        (setup, r, names[(r + i) % len(names)])
-        for setup in setups
-        for r in range(repeat)
-        for i in range(len(names))
-    )
-    for number, (setup, r, name) in enumerate(rounds, 1):
-        if name in unavailable:
-            continue
-        label = f"[{number}/{total}] {name}"
-        if len(setups) > 1:
-            label += f" c{setup.concurrency}"
-        if repeat > 1:
-            label += f" ({r + 1}/{repeat})"
-        try:
-            result = variants.run_variant(name, setup, workload, label)
-        except VariantUnavailable as exc:
-            unavailable[name] = str(exc)
-            print(f"{label}: skipped: {exc}", file=sys.stderr)
-            continue
-        runs[setup.concurrency].setdefault(name, []).append(result)
-    return runs, unavailable
-
-
 def report_concurrency(
     runs: Mapping[str, Sequence[RunResult]],
     setup: Setup,
     repeat: int,
     policies: Sequence[str],
 ) -> dict[str, dict[str, Any]]:
-    """Print one concurrency's table, summary, spread table, targets and lag
-    notes; its summaries per variant (the JSON's ``policies``)."""
+    """Print one concurrency's table, summary, spread table, targets and
+    validity notes; its summaries per variant (the JSON's ``policies``)."""
     summaries = {
-        name: report.combine([report.summarize(r, setup.clock) for r in results])
+        name: report.combine([report.summarize(r) for r in results])
         for name, results in runs.items()
     }
+    # a twin (none#2) is the noise, not a contender
+    contenders = [
+        n for n in summaries if policy_of(n) in policies and TWIN_MARK not in n
+    ]
+    contenders = [n for n in contenders if n not in BASELINES]
+    shares = report.bound_shares(summaries, [*contenders, LOCAL_DISK], "none", ALL_HOT)
+    for name, share in shares.items():
+        summaries[name]["bound_share"] = share
     print()
-    print(report.table(summaries))
+    print(report.table(summaries, NO_EXTERNAL_CACHE))
     line = report.summary_line(
-        # a twin (none#2) is the noise, the GPU-only baseline no tiered variant
-        {
-            n: s
-            for n, s in summaries.items()
-            if TWIN_MARK not in n and policy_of(n) != NO_EXTERNAL_CACHE
-        },
-        compared(setup, LOCAL_DISK in summaries),
-        LOCAL_DISK,
+        summaries, compared(setup), contenders, NO_EXTERNAL_CACHE, [LOCAL_DISK, ALL_HOT]
     )
     if line is not None:
         print(line)
@@ -513,19 +530,40 @@ def report_concurrency(
             "(one run per variant: single runs of one variant can differ by tens "
             "of percent; --repeat 6 with none named twice shows by how much)"
         )
+    valid = {n: s for n, s in summaries.items() if s["valid"]}
     targets = presets.targets_line(
-        summaries,
-        report.paired_changes(summaries),
-        setup.concurrency,
-        [n for n in policies if n not in (NO_EXTERNAL_CACHE, LOCAL_DISK)],
+        valid, report.paired_changes(valid), setup.concurrency, contenders
     )
     if targets is not None:
         print(targets)
     for name, summary in summaries.items():
-        if summary["lag_max_s"] > LAG_NOTE_S:
-            print(
-                f"{name}: the replay fell up to {summary['lag_max_s']:.1f}s behind "
-                "the modelled GPU (real work slower than modelled: a busy or slow "
-                "machine), so background I/O had extra time; rerun on an idle one"
-            )
+        if not summary["valid"]:
+            print(invalid_note(name, summary))
     return summaries
+
+
+#: Variants that are references, not contenders.
+BASELINES = (NO_EXTERNAL_CACHE, LOCAL_DISK, ALL_HOT)
+
+
+def invalid_note(name: str, summary: Mapping[str, Any]) -> str:
+    """Why a variant's run is not valid, and what to change."""
+    reasons, fixes = [], []
+    if summary["lag_share"] > report.VALID_SHARE:
+        reasons.append(
+            f"the replay fell up to {summary['lag_max_s']:.2f}s behind its GPU clock "
+            f"({100 * summary['lag_share']:.0f}% of its TTFT p50; this machine was "
+            "busy, and background I/O had time a GPU server would not give it)"
+        )
+        fixes.append("fewer --jobs at once, or on an idle machine")
+    if summary["device_overrun_share"] > report.VALID_OVERRUN:
+        reasons.append(
+            "real I/O took "
+            f"{100 * summary['device_overrun_share']:.0f}% longer than the modelled "
+            "drives (this machine's disk is slower than they are at this F)"
+        )
+        fixes.append("a larger --kv-scale (fewer bytes) or --warm on a faster disk")
+    return (
+        f"{name}: not valid, not compared: {'; '.join(reasons)}. "
+        f"Rerun with {', or '.join(fixes)}."
+    )

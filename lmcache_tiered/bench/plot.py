@@ -26,26 +26,28 @@ def draw_run(
     path: str,
     runs: Mapping[str, Sequence[RunResult]],
     summaries: Mapping[str, Mapping[str, Any]],
-    clock: float,
     title: str,
-    baseline: str,
+    reference: str,
+    stock: str,
 ) -> None:
     """The run as a PNG: TTFT CDF per variant, all its runs pooled; TTFT p50
     and token throughput bars, each labelled with its change against
-    ``baseline`` (drawn grey and dashed) where it ran."""
+    ``reference`` (drawn grey and dashed) where it ran, or "not valid" for a
+    variant whose run measured this machine (``valid`` false)."""
     plt = _pyplot()
     names = list(summaries)
-    shown = {n: f"{n} (stock)" if n == baseline else n for n in names}
+    notes = {reference: " (vLLM alone)", stock: " (stock)"}
+    shown = {n: n + notes.get(n, "") for n in names}
     palette = plt.get_cmap("tab10")
     colors = {
-        name: "0.45" if name == baseline else palette(i % 10)
+        name: "0.45" if name == reference else palette(i % 10)
         for i, name in enumerate(names)
     }
     figure, (cdf, ttft_bars, tps_bars) = plt.subplots(
         1, 3, figsize=(16, 5.5), gridspec_kw={"width_ratios": [1.5, 1, 1]}
     )
     for name in names:
-        values = sorted(t for result in runs[name] for t in ttfts(result, clock))
+        values = sorted(t for result in runs[name] for t in ttfts(result))
         shares = [(i + 1) / len(values) for i in range(len(values))]
         cdf.step(
             values,
@@ -53,8 +55,8 @@ def draw_run(
             where="post",
             label=shown[name],
             color=colors[name],
-            linestyle="--" if name == baseline else "-",
-            linewidth=2.2 if name == baseline else 1.6,
+            linestyle="--" if name == reference else "-",
+            linewidth=2.2 if name == reference else 1.6,
         )
     cdf.set_xscale("log")
     cdf.axhline(0.5, color="0.7", linewidth=0.8, linestyle=":")
@@ -63,7 +65,9 @@ def draw_run(
     cdf.set_title("TTFT CDF (left and up is better)")
     cdf.grid(alpha=0.3, which="both")
     cdf.legend(fontsize=9)
-    base = summaries.get(baseline)
+    base = summaries.get(reference)
+    if base is not None and not base["valid"]:
+        base = None
     for axes, key, unit, better in (
         (ttft_bars, "ttft_p50_s", "s", "lower"),
         (tps_bars, "throughput_tps", "tok/s", "higher"),
@@ -73,18 +77,21 @@ def draw_run(
             [shown[n] for n in names], values, color=[colors[n] for n in names]
         )
         labels = [f"{v:.2f}" if unit == "s" else f"{v:.0f}" for v in values]
-        if base is not None:
-            labels = [
-                text if name == baseline else f"{text} ({delta(v, base[key])})"
-                for text, name, v in zip(labels, names, values, strict=True)
-            ]
+        labels = [
+            f"{text} (not valid)"
+            if not summaries[name]["valid"]
+            else text
+            if name == reference or base is None
+            else f"{text} ({delta(v, base[key])})"
+            for text, name, v in zip(labels, names, values, strict=True)
+        ]
         axes.bar_label(bars, labels, padding=3, fontsize=9)
         axes.invert_yaxis()  # first variant on top, as in the table
         axes.set_xlim(0, max(values) * 1.35)
         axes.set_xlabel(unit)
         axes.set_title(
             f"{'TTFT p50' if unit == 's' else 'Throughput'} ({better} is better)"
-            + ("\n% against the stock backend" if base is not None else "")
+            + (f"\n% against {reference}" if base is not None else "")
         )
         axes.grid(alpha=0.3, axis="x")
     figure.suptitle(title, fontsize=10, wrap=True)

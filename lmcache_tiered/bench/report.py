@@ -1,9 +1,10 @@
 """What a bench run measured, and how it is shown: tables, summary line, the
-seed's table over concurrencies, JSON, progress (by rich; the picture is
-:mod:`lmcache_tiered.bench.plot`'s).
+seed's table over concurrencies, JSON (tables by rich; the picture is
+:mod:`lmcache_tiered.bench.plot`'s, the progress bars
+:mod:`lmcache_tiered.bench.progress`'s).
 
-Times in summaries are production seconds: the replay's GPU-clock times
-multiplied by the clock factor (see :mod:`lmcache_tiered.bench.profiles`).
+Times are production seconds, which the replay's clock is (it is not sped
+up; only bytes are scaled down, see :mod:`lmcache_tiered.bench.devices`).
 Bytes are the bytes this run really moved. With ``--repeat`` every number is
 the median over the runs of a variant.
 
@@ -29,7 +30,13 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
   was planned.
 - ``backend_metrics``: the plugin's own ``metrics_snapshot()``.
 - ``lag_max_s``: how far the replay fell behind its modelled GPU at worst
-  (real work slower than modelled, e.g. on a busy machine).
+  (the loop woke late, e.g. on a busy machine); ``lag_share``: that as a
+  share of the TTFT p50; ``device_overrun_share``: the share of the modelled
+  device time by which real I/O ran over it (this machine's disk slower than
+  the modelled drives at this F); ``valid``: the lag share at most
+  :data:`VALID_SHARE`, the overrun at most :data:`VALID_OVERRUN`. An invalid
+  variant measured this machine, not the product: its numbers are not
+  compared.
 """
 
 from __future__ import annotations
@@ -41,7 +48,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import rich.progress
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -50,6 +56,14 @@ from rich.table import Table
 TIERS = ("gpu", "hot", "warm", "cold")
 #: Tiers whose bytes are read (the GPU's are reused in place).
 READ_TIERS = TIERS[1:]
+#: Most lag (share of TTFT p50) a variant may have and still be compared.
+VALID_SHARE = 0.05
+#: Most device overrun (share of modelled device time). Overrun counts all
+#: real time of a tier call past the modelled transfer, its CPU too (charged
+#: once, as it should be): the default run gave 4-5 % at both F = 16 and 32
+#: with TTFTs within 1 % of each other, so that much is per-call cost, not a
+#: disk too slow for the model; a disk that could not keep up gave 59-84 %.
+VALID_OVERRUN = 0.10
 
 
 @dataclass(slots=True)
@@ -88,8 +102,10 @@ class RunResult:
     warmup_timeliness: float | None
     warmup_held_back: int | None
     wall_s: float
-    #: most wall seconds the replay ran behind its GPU clock
+    #: most seconds the replay ran behind its GPU clock
     lag_max: float = 0.0
+    #: the worst of its devices' overrun shares (:class:`Device`)
+    device_overrun: float = 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -101,21 +117,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def ttfts(result: RunResult, clock: float) -> list[float]:
-    """Production-second TTFT of every request."""
-    return [(r.first_token - r.arrival) * clock for r in result.records]
+def ttfts(result: RunResult) -> list[float]:
+    """The TTFT of every request."""
+    return [r.first_token - r.arrival for r in result.records]
 
 
-def _p50(values: Sequence[float], clock: float) -> float:
-    return percentile(values, 50) * clock
-
-
-def summarize(result: RunResult, clock: float) -> dict[str, Any]:
+def summarize(result: RunResult) -> dict[str, Any]:
     """The JSON entry ``policies.<name>`` of one variant."""
     records = result.records
-    ttft = ttfts(result, clock)
-    span = max(r.finished for r in records) - min(r.arrival for r in records)
-    makespan = span * clock
+    ttft = ttfts(result)
+    makespan = max(r.finished for r in records) - min(r.arrival for r in records)
     chunks = sum(r.prompt_chunks for r in records) or 1
     served = {t: sum(r.served.get(t, 0) for r in records) for t in TIERS}
     found = sum(sum(r.found.values()) for r in records)
@@ -128,8 +139,8 @@ def summarize(result: RunResult, clock: float) -> dict[str, Any]:
         "ttft_p90_s": percentile(ttft, 90),
         "ttft_p99_s": percentile(ttft, 99),
         "ttft_mean_s": sum(ttft) / len(ttft),
-        "queue_p50_s": _p50([r.scheduled - r.arrival for r in records], clock),
-        "load_p50_s": _p50([r.loaded - r.scheduled for r in records], clock),
+        "queue_p50_s": percentile([r.scheduled - r.arrival for r in records], 50),
+        "load_p50_s": percentile([r.loaded - r.scheduled for r in records], 50),
         "throughput_rps": len(records) / makespan,
         "throughput_tps": sum(r.output_length for r in records) / makespan,
         "makespan_s": makespan,
@@ -141,7 +152,18 @@ def summarize(result: RunResult, clock: float) -> dict[str, Any]:
         "warmup_held_back": result.warmup_held_back,
         "backend_metrics": result.backend_metrics,
         "wall_s": result.wall_s,
-        "lag_max_s": result.lag_max * clock,
+        **validity(result.lag_max, percentile(ttft, 50), result.device_overrun),
+    }
+
+
+def validity(lag_s: float, ttft_p50_s: float, overrun: float) -> dict[str, Any]:
+    """The lag and overrun figures of a run and whether it may be compared."""
+    share = lag_s / max(ttft_p50_s, 1e-9)
+    return {
+        "lag_max_s": lag_s,
+        "lag_share": share,
+        "device_overrun_share": overrun,
+        "valid": share <= VALID_SHARE and overrun <= VALID_OVERRUN,
     }
 
 
@@ -163,6 +185,10 @@ def combine(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         [{k: v for k, v in s.items() if k != "backend_metrics"} for s in summaries]
     )
     combined["runs"] = len(summaries)
+    # a variant is as valid as its worst run
+    for key in ("lag_max_s", "lag_share", "device_overrun_share"):
+        combined[key] = max(s[key] for s in summaries)
+    combined["valid"] = all(s["valid"] for s in summaries)
     if len(summaries) == 1:
         combined["backend_metrics"] = summaries[0]["backend_metrics"]
     else:
@@ -209,11 +235,11 @@ def numbers_table(*columns: str) -> Table:
     return table
 
 
-def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -> str:
-    """One row per variant; deltas against ``reference``."""
+def table(summaries: Mapping[str, Mapping[str, Any]], reference: str) -> str:
+    """One row per variant; changes against ``reference``, none for a
+    variant (or against a reference) that is not valid."""
     base = summaries.get(reference)
-    base_ttft = None if base is None else base["ttft_p50_s"]
-    base_tps = None if base is None else base["throughput_tps"]
+    usable = base is not None and base["valid"]
     out = numbers_table(
         "variant",
         "TTFT p50",
@@ -226,12 +252,25 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
         "prec",
         "timely",
         "held back",
+        "of bound",
+        "lag",
         f"dTTFT50 vs {reference}",
         f"dtok/s vs {reference}",
     )
     for name, s in summaries.items():
         hits = "/".join(f"{100 * s['hit_rate'][t]:.0f}" for t in TIERS) + " %"
         read = "/".join(f"{s['bytes_read'][t] / 1e9:.2f}" for t in ("warm", "cold"))
+        if not s["valid"]:
+            changes = ["not valid", "not valid"]
+        elif not usable or name == reference:
+            changes = ["-", "-"]
+        else:
+            assert base is not None
+            changes = [
+                delta(s["ttft_p50_s"], base["ttft_p50_s"]),
+                delta(s["throughput_tps"], base["throughput_tps"]),
+            ]
+        share = s.get("bound_share")
         out.add_row(
             name,
             f"{s['ttft_p50_s']:.2f}s",
@@ -244,42 +283,96 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str = "none") -
             _fmt(s["warmup_precision"], ".2f"),
             _fmt(s["warmup_timeliness"], ".2f"),
             _fmt(s["warmup_held_back"], ".0f"),
-            delta(s["ttft_p50_s"], base_ttft),
-            delta(s["throughput_tps"], base_tps),
+            "-" if share is None else f"{100 * share:.0f}%",
+            f"{100 * max(s['lag_share'], s['device_overrun_share']):.0f}%",
+            *changes,
         )
     return render(out)
+
+
+def bound_shares(
+    summaries: Mapping[str, Mapping[str, Any]],
+    contenders: Sequence[str],
+    none: str,
+    bound: str,
+) -> dict[str, float]:
+    """Per contender, the share of the bound's TTFT p50 gain over ``none``
+    that it captures (1: as good as the bound; 0: no better than none);
+    empty where either did not run validly or the bound gains nothing."""
+    low, high = summaries.get(bound), summaries.get(none)
+    if low is None or high is None or not (low["valid"] and high["valid"]):
+        return {}
+    gain = high["ttft_p50_s"] - low["ttft_p50_s"]
+    if gain <= 0:
+        return {}
+    return {
+        name: (high["ttft_p50_s"] - summaries[name]["ttft_p50_s"]) / gain
+        for name in contenders
+        if name in summaries and summaries[name]["valid"]
+    }
 
 
 def summary_line(
     summaries: Mapping[str, Mapping[str, Any]],
     compared: str,
-    baseline: str,
-    reference: str = "none",
+    contenders: Sequence[str],
+    reference: str,
+    beside: Sequence[str],
 ) -> str | None:
-    """One line: what was compared (``compared``), the best plugin variant's
-    TTFT p50 and tok/s against ``baseline`` (else ``reference``), and what
-    that means. None where there is nothing to compare."""
-    against = baseline if baseline in summaries else reference
-    others = {n: s for n, s in summaries.items() if n not in (baseline, against)}
-    if against not in summaries or not others:
+    """One line: what was compared (``compared``), the best valid contender's
+    TTFT p50 and tok/s against ``reference``, the variants of ``beside``
+    (the stock backend, the bound) against it too, and what that means.
+    None where there is nothing to compare."""
+    base = summaries.get(reference)
+    ran = [n for n in contenders if n in summaries]
+    if base is None or not ran:
         return None
-    base = summaries[against]
-    best = min(others, key=lambda name: others[name]["ttft_p50_s"])
-    s = others[best]
+    head = f"summary: {compared}."
+    if not base["valid"]:
+        return f"{head} Not compared: {reference}'s run is not valid (see below)."
+    valid = [n for n in ran if summaries[n]["valid"]]
+    if not valid:
+        return f"{head} Not compared: no tiered variant's run is valid (see below)."
+    best = min(valid, key=lambda name: summaries[name]["ttft_p50_s"])
+    s = summaries[best]
     ttft = _change(s["ttft_p50_s"], base["ttft_p50_s"]) or 0.0
     tps = _change(s["throughput_tps"], base["throughput_tps"]) or 0.0
-    label = "stock" if against == baseline else against
     if ttft < 0 and tps >= 0:
         meaning = f"{best} serves first tokens sooner and at least as many tok/s"
     elif ttft >= 0 and tps <= 0:
-        meaning = f"{'the stock backend' if label == 'stock' else label} wins here"
+        meaning = f"{reference} wins here: {why_it_loses(s, base)}"
     else:
         meaning = "a trade: one number better, the other worse"
+    others = "".join(
+        f"; {name} {summaries[name]['ttft_p50_s']:.2f}s "
+        f"({delta(summaries[name]['ttft_p50_s'], base['ttft_p50_s'])}), "
+        f"{summaries[name]['throughput_tps']:.0f} tok/s"
+        + ("" if summaries[name]["valid"] else " (not valid)")
+        for name in beside
+        if name in summaries
+    )
     return (
-        f"summary: {compared}. Best tiered variant {best}: TTFT p50 "
-        f"{s['ttft_p50_s']:.2f}s vs {base['ttft_p50_s']:.2f}s {label} "
+        f"{head} Best tiered variant {best}: TTFT p50 "
+        f"{s['ttft_p50_s']:.2f}s vs {base['ttft_p50_s']:.2f}s {reference} "
         f"({100 * ttft:+.0f}%), {s['throughput_tps']:.0f} vs "
-        f"{base['throughput_tps']:.0f} tok/s ({100 * tps:+.0f}%): {meaning}."
+        f"{base['throughput_tps']:.0f} tok/s ({100 * tps:+.0f}%){others}: {meaning}."
+    )
+
+
+def why_it_loses(mine: Mapping[str, Any], base: Mapping[str, Any]) -> str:
+    """Why a cache did not beat vLLM alone, from what the runs measured."""
+    lmcache = sum(mine["hit_rate"][t] for t in READ_TIERS)
+    extra = mine["hit_rate"]["gpu"] + lmcache - base["hit_rate"]["gpu"]
+    if extra <= 0.01:
+        held = 100 * base["hit_rate"]["gpu"]
+        return (
+            f"vLLM's own GPU cache already held the reuse ({held:.0f}% of prompt "
+            "chunks), so LMCache had nothing more to serve"
+        )
+    return (
+        f"LMCache served {100 * lmcache:.0f}% of prompt chunks, but loading them "
+        f"(load p50 {mine['load_p50_s']:.2f}s a request) cost more than "
+        "recomputing them on the GPU"
     )
 
 
@@ -459,27 +552,3 @@ def write_json(path: str, document: Mapping[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as out:
         json.dump(document, out, indent=2, sort_keys=False)
         out.write("\n")
-
-
-class Progress:
-    """One variant's progress bar on stderr (rich: redrawn on a terminal;
-    elsewhere, e.g. a log file, only its final state is written)."""
-
-    def __init__(self, label: str, total: int, console: Console | None = None):
-        self._bar = rich.progress.Progress(
-            rich.progress.TextColumn("{task.description:<28}"),
-            rich.progress.BarColumn(),
-            rich.progress.MofNCompleteColumn(),
-            rich.progress.TimeElapsedColumn(),
-            rich.progress.TextColumn("{task.fields[note]}"),
-            console=console or Console(stderr=True),
-        )
-        self._task = self._bar.add_task(label, total=max(total, 1), note="")
-        self._bar.start()
-
-    def advance(self, count: int = 1) -> None:
-        self._bar.advance(self._task, count)
-
-    def close(self, note: str = "") -> None:
-        self._bar.update(self._task, note=note)
-        self._bar.stop()

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 
 from lmcache_tiered.bench import trace
-from lmcache_tiered.bench.link import LinkModel
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.devices import Device, DeviceSpec
 from lmcache_tiered.bench.profiles import (
     BenchShape,
     ModelProfile,
@@ -34,6 +36,9 @@ from lmcache_tiered.bench.profiles import (
 
 #: LMCache's chunk size (tokens per key) in every variant.
 CHUNK_TOKENS = 256
+#: Warm drives (directories) when ``--warm`` names none: the deployment the
+#: plugin is built for stripes over several local NVMe drives.
+DEFAULT_WARM_DRIVES = 4
 GIB = 1 << 30
 
 
@@ -57,18 +62,29 @@ class Setup:
     #: where the stock LocalDiskBackend baseline stores (default: warm's)
     baseline_paths: tuple[str, ...]
     io_engine: str
-    cold_link: LinkModel | None
-    #: the warm tier's device modelled as a link too (None: this disk as is)
-    warm_link: LinkModel | None = None
+    #: the cold tier's link (None: local drives like the warm ones, or a store)
+    cold_link: DeviceSpec | None
+    #: one warm directory's drive, also the stock backend's (None: this
+    #: machine's disk as it is, true only at F = 1)
+    warm_drive: DeviceSpec | None = None
     #: vLLM's GPU prefix cache in front of every variant (tokens; 0: none)
     gpu_kv_tokens: int = 0
     #: the cold tier on a real store (LMCache's ``--l2-adapter`` JSON)
     cold_adapter: Mapping[str, Any] | None = None
 
-    @property
-    def clock(self) -> float:
-        """Production seconds per wall second (= the KV scale-down factor)."""
-        return self.shape.kv_scale
+    def tier_devices(self) -> dict[str, Device]:
+        """Fresh modelled devices for the plugin's tiers: one drive per warm
+        directory striped together; the cold link, or without one a drive
+        per cold directory."""
+        scale = self.shape.kv_scale
+        devices = {}
+        if self.warm_drive is not None:
+            devices["warm"] = Device(self.warm_drive, scale, len(self.warm_paths))
+        if self.cold_link is not None:
+            devices["cold"] = Device(self.cold_link, scale)
+        elif self.cold_paths and self.warm_drive is not None:
+            devices["cold"] = Device(self.warm_drive, scale, len(self.cold_paths))
+        return devices
 
     @property
     def cold_remote(self) -> bool:
@@ -98,6 +114,8 @@ class Workload:
     tokens: list[torch.Tensor]
     #: [1, 2, max_tokens, 1, head_size]: source of stores, target of retrieves
     kv: torch.Tensor
+    #: what the token ids and the KV were drawn from
+    seed: int
 
     @staticmethod
     def build(requests: list[trace.Request], shape: BenchShape, seed: int) -> Workload:
@@ -113,7 +131,7 @@ class Workload:
             generator=generator,
             dtype=torch.int16,
         ).view(torch.bfloat16)
-        return Workload(requests, [blocks.tokens(r) for r in requests], kv)
+        return Workload(requests, [blocks.tokens(r) for r in requests], kv, seed)
 
 
 def split_list(text: str | None) -> list[str]:
@@ -156,7 +174,9 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
     """Resolve defaults: sizes follow the workload's distinct KV bytes.
 
     Hot holds a quarter of them (and at least four of the longest prompts:
-    it also stages every read and write), warm half, cold all of them twice.
+    it also stages every read and write), warm all of them (local NVMe is
+    large; a warm tier smaller than vLLM's HBM cache would hold only what
+    HBM holds), cold all of them twice.
     """
     profile = get_profile(args.profile)
     shape = bench_shape(profile, args.kv_scale)
@@ -165,7 +185,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
     longest = max(r.input_length for r in requests) * per_token
     staging = max(4 * longest, 64 << 20)
     base = default_base()
-    warm = split_list(args.warm) or [base]
+    warm = split_list(args.warm) or [base] * DEFAULT_WARM_DRIVES
     cold = [] if args.cold == "none" else split_list(args.cold) or [base]
     if args.cold_adapter is not None:
         if args.cold not in (None, "none"):
@@ -181,14 +201,14 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         token_budget=args.token_budget,
         hot_gb=(max(unique / 4, staging) / GIB) if args.hot_gb is None else args.hot_gb,
         staging_gb=staging / GIB,
-        warm_gb=args.warm_gb or max(unique / 2, staging) / GIB,
+        warm_gb=args.warm_gb or (unique + staging) / GIB,
         cold_gb=args.cold_gb or (2 * unique + staging) / GIB,
         warm_paths=tuple(warm),
         cold_paths=tuple(cold),
         baseline_paths=tuple(split_list(args.baseline_disk) or warm),
         io_engine=args.io_engine,
         cold_link=args.cold_link if cold else None,
-        warm_link=args.warm_link,
+        warm_drive=args.warm_drive,
         gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
         cold_adapter=args.cold_adapter,
     )
@@ -204,6 +224,15 @@ def gpu_kv_tokens(profile: ModelProfile, gb: float | None) -> int:
     return int(gb * 1e9 // profile.kv_bytes_per_token)
 
 
+def drives_text(paths: Sequence[str], drive: DeviceSpec | None) -> str:
+    """A tier's directories and the drives modelled under them, in words."""
+    where = ", ".join(dict.fromkeys(paths))
+    if drive is None:
+        return f"{where} (this machine's disk as it is)"
+    count = f"{len(paths)} modelled drives" if len(paths) > 1 else "a modelled drive"
+    return f"{count} of {drive} in {where}"
+
+
 def describe(
     setup: Setup,
     requests: list[trace.Request],
@@ -214,79 +243,72 @@ def describe(
     the setup's)."""
     shape, profile = setup.shape, setup.profile
     unique = trace.unique_tokens(requests) * shape.bytes_per_token
-    link = f"; cold link model: {setup.cold_link}" if setup.cold_link else ""
-    if setup.warm_link is not None:
-        link += f"; warm link model: {setup.warm_link}"
-    cold = (
-        f"{','.join(setup.cold_paths)} ({setup.cold_gb:.1f} GiB)"
-        if setup.cold_paths
-        else "none"
-    )
     if setup.cold_adapter is not None:
         cold = f"the store {json.dumps(setup.cold_adapter)} (real, no link model)"
-    return "\n".join(
-        [
-            f"workload: {source}, {len(requests)} requests, "
-            f"{sum(r.input_length for r in requests):,} prompt tokens, "
-            f"{unique / 1e9:.2f} GB of distinct KV on this run, prefix reuse "
-            f"{trace.prefix_reuse(requests):.2f} (an infinite cache's hit ratio)",
-            f"profile: {profile.name} ({profile.kv_bytes_per_token:,} KV bytes/token "
-            f"per rank) scaled down {shape.kv_scale:g}x to "
-            f"{shape.bytes_per_token:,} bytes/token "
-            f"({setup.chunk_bytes / 2**20:.2f} MiB chunks); times are "
-            f"production-equivalent (wall x {setup.clock:g})",
-            f"tiers: hot {setup.hot_gb:.2f} GiB CPU, warm {','.join(setup.warm_paths)}"
-            f" ({setup.warm_gb:.1f} GiB), cold {cold}, io engine "
-            f"{setup.io_engine}{link}; "
-            f"concurrency {', '.join(map(str, concurrencies or [setup.concurrency]))}; "
-            "vLLM's GPU prefix cache "
-            f"{setup.gpu_kv_tokens:,} tokens "
-            f"({setup.gpu_kv_tokens * profile.kv_bytes_per_token / 1e9:.1f} GB "
-            "per rank in production) in front of every variant",
-            "baseline: LMCache LocalDiskBackend on "
-            + (
-                "the warm directories, "
-                if setup.baseline_paths == setup.warm_paths
-                else f"{','.join(setup.baseline_paths)}, "
-            )
-            + f"{setup.baseline_disk_gb:.1f} GiB"
-            + (
-                " (local NVMe only: the cold tier is remote)"
-                if setup.cold_remote
-                else ""
-            ),
-        ]
-    )
-
-
-def compared(setup: Setup, baseline: bool) -> str:
-    """What the run compares, in words, for the summary line and the picture."""
-    if setup.cold_adapter is not None:
-        tiers = (
-            "warm tier on the local disk, cold tier on a real "
-            f"{setup.cold_adapter['type']} store"
-        )
-        stock = "the local disk only"
     elif setup.cold_link is not None:
-        tiers = (
-            "warm tier on the local disk, cold tier remote behind a modelled "
-            f"link of {setup.cold_link}"
-        )
-        stock = "the local disk only"
+        cold = f"remote behind a modelled link of {setup.cold_link}"
     elif setup.cold_paths:
-        tiers = "warm and cold tiers on one local disk (--cold-link none)"
-        stock = "that disk with warm + cold capacity"
+        cold = drives_text(setup.cold_paths, setup.warm_drive)
+    if setup.cold_link is not None or setup.cold_paths:
+        cold += f" ({setup.cold_gb:.1f} GiB)"
     else:
-        tiers = "a warm tier only (--cold none)"
-        stock = "the same disk"
-    if setup.baseline_paths != setup.warm_paths:
-        stock = f"on {','.join(setup.baseline_paths)} (--baseline-disk)"
-    plugin = f"TieredBackend with each warm-up policy ({tiers})"
-    if not baseline:
-        return f"{plugin} against its policy none (no warm-up)"
+        cold = "none"
+    lines = [
+        f"workload: {source}, {len(requests)} requests, "
+        f"{sum(r.input_length for r in requests):,} prompt tokens "
+        f"({trace.unique_tokens(requests):,} distinct), prefix reuse "
+        f"{trace.prefix_reuse(requests):.2f} (an infinite cache's hit ratio)",
+        f"profile: {profile.name} ({profile.kv_bytes_per_token:,} KV bytes/token "
+        f"per rank); KV bytes scaled down {shape.kv_scale:g}x to "
+        f"{shape.bytes_per_token:,} bytes/token ({setup.chunk_bytes / 2**20:.2f} MiB "
+        f"chunks, {unique / 1e9:.2f} GB distinct on this machine), times on the "
+        "production clock (the devices are modelled at production rates)",
+        f"tiers: hot {setup.hot_gb:.2f} GiB CPU (this run's bytes), warm "
+        f"{drives_text(setup.warm_paths, setup.warm_drive)} ({setup.warm_gb:.1f} GiB), "
+        f"cold {cold}, io engine {setup.io_engine}; concurrency "
+        f"{', '.join(map(str, concurrencies or [setup.concurrency]))}; vLLM's GPU "
+        f"prefix cache {setup.gpu_kv_tokens:,} tokens "
+        f"({setup.gpu_kv_tokens * profile.kv_bytes_per_token / 1e9:.1f} GB per rank) "
+        "in front of every variant",
+        "stock: LMCache LocalDiskBackend on one "
+        + (
+            "warm drive"
+            if setup.baseline_paths == setup.warm_paths
+            else "drive in " + ", ".join(dict.fromkeys(setup.baseline_paths))
+        )
+        + f", {setup.baseline_disk_gb:.1f} GiB"
+        + (" (local NVMe only: the cold tier is remote)" if setup.cold_remote else ""),
+    ]
+    if setup.warm_drive is None and shape.kv_scale != 1:
+        lines.append(
+            f"note: --warm-drive none at --kv-scale {shape.kv_scale:g}: this disk "
+            f"moves {shape.kv_scale:g}x fewer bytes than production, so it counts "
+            f"{shape.kv_scale:g}x faster than it is; model the drive, or use "
+            "--kv-scale 1"
+        )
+    if setup.cold_adapter is not None and shape.kv_scale != 1:
+        lines.append(
+            f"note: the store moves {shape.kv_scale:g}x fewer bytes than production: "
+            f"its transfers count {shape.kv_scale:g}x faster than they are"
+        )
+    return "\n".join(lines)
+
+
+def compared(setup: Setup) -> str:
+    """What the run compares, in words, for the summary line and the picture."""
+    drives = len(setup.warm_paths)
+    warm = f"warm on {drives} drive{'s' if drives > 1 else ''}"
+    if setup.cold_adapter is not None:
+        cold = f"cold on a real {setup.cold_adapter['type']} store"
+    elif setup.cold_link is not None:
+        cold = f"cold remote behind {setup.cold_link}"
+    elif setup.cold_paths:
+        cold = "cold on local drives"
+    else:
+        cold = "no cold tier"
     return (
-        f"{plugin} vs LMCache's stock LocalDiskBackend ({stock}, "
-        f"{setup.baseline_disk_gb:.1f} GiB)"
+        f"vLLM + LMCache with TieredBackend ({warm}, {cold}) or with LMCache's "
+        f"stock LocalDiskBackend (one drive), against vLLM alone ({NO_EXTERNAL_CACHE})"
     )
 
 
@@ -294,12 +316,14 @@ def check_space(setup: Setup, requests: list[trace.Request]) -> None:
     """Refuse to start a run whose tiers would fill a disk.
 
     Each tier may hold every distinct chunk once (a variant's files are
-    removed before the next one starts), spread over its directories.
+    removed before the next one starts), spread over its directories; a
+    directory named for several drives holds all their shares.
     """
     distinct = trace.unique_tokens(requests) * setup.shape.bytes_per_token * 1.1
     for paths in (setup.warm_paths, setup.cold_paths, setup.baseline_paths):
-        for path in paths:
-            need, free = distinct / len(paths), shutil.disk_usage(path).free
+        for path, drives in Counter(paths).items():
+            need = distinct * drives / len(paths)
+            free = shutil.disk_usage(path).free
             if need > free:
                 raise ValueError(
                     f"the run may store {need / 1e9:.1f} GB in {path}, which has "
@@ -322,7 +346,6 @@ def config_json(
         "kv_bytes_per_token_production": setup.profile.kv_bytes_per_token,
         "kv_bytes_per_token_bench": setup.shape.bytes_per_token,
         "kv_scale": setup.shape.kv_scale,
-        "clock_factor": setup.clock,
         "chunk_bytes": setup.chunk_bytes,
         "concurrency": setup.concurrency,
         "token_budget": setup.token_budget,
@@ -343,7 +366,8 @@ def config_json(
         "cold_link": None
         if setup.cold_link is None
         else {"gbps": setup.cold_link.gbps, "latency_s": setup.cold_link.latency_s},
-        "warm_link": None
-        if setup.warm_link is None
-        else {"gbps": setup.warm_link.gbps, "latency_s": setup.warm_link.latency_s},
+        "warm_drive": None
+        if setup.warm_drive is None
+        else {"gbps": setup.warm_drive.gbps, "latency_s": setup.warm_drive.latency_s},
+        "warm_drives": len(setup.warm_paths),
     }

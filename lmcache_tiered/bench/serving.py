@@ -24,8 +24,8 @@ import torch
 
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import report
 from lmcache_tiered.bench.baseline import GpuPrefixCache
+from lmcache_tiered.bench.progress import ProgressSink
 from lmcache_tiered.bench.report import RequestRecord
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.testing import CPUConnector
@@ -54,11 +54,12 @@ def send_arrival_hint(hints: HintForwarder | None, tokens: torch.Tensor) -> None
 
 class GpuCopies:
     """Times the CPU connector's copies (the stand-in for GPU uploads and
-    downloads) and what the profile's PCIe link would take for them, so the
-    GPU clock charges the link, not this machine's memcpy."""
+    downloads) and what the profile's PCIe link would take for the
+    production bytes of them, so the GPU clock charges the link, not this
+    machine's memcpy of scaled-down bytes."""
 
     def __init__(self, engine: LMCacheEngine, setup: Setup) -> None:
-        self.bytes_per_token = setup.shape.bytes_per_token
+        self.bytes_per_token = setup.profile.kv_bytes_per_token
         self.pcie_bytes_per_s = setup.profile.pcie_bytes_per_s
         self.measured_s = 0.0
         self.modelled_s = 0.0
@@ -95,12 +96,18 @@ class _Live:
 class Replay:
     """The serving model of one variant (see the module docstring).
 
-    The engine loop keeps a GPU clock (``self.gpu``, wall seconds since the
-    start): modelled compute and the measured time of real LMCache calls
-    (their GPU copies charged at the profile's PCIe rate, see
-    :class:`GpuCopies`) advance it, and the loop sleeps until the wall clock
-    reaches it. A late wake-up (another thread holding the GIL) thus delays
-    no later step: the loop catches up, as a GPU that never waited would.
+    The engine loop keeps a GPU clock (``self.gpu``, production seconds since
+    the start, which are wall seconds: the replay is not sped up, see
+    :mod:`lmcache_tiered.bench.devices`): modelled compute and the measured
+    time of real LMCache calls (their GPU copies charged at the profile's
+    PCIe rate, see :class:`GpuCopies`) advance it, and the loop sleeps until
+    the wall clock reaches it. A late wake-up (another thread holding the
+    GIL) thus delays no later step: the loop catches up, as a GPU that never
+    waited would, and the lag is noted (:attr:`lag_max`).
+
+    A variant without an engine (vLLM alone, the all-hot bound) has no real
+    work to wait for: it runs on virtual time (:attr:`virtual`), the GPU
+    clock alone, with no threads and no sleeping, in a fraction of a second.
     """
 
     def __init__(
@@ -110,8 +117,10 @@ class Replay:
         engine: LMCacheEngine | None,
         backend: TieredBackend | None,
         name: str,
-        progress: report.Progress,
+        progress: ProgressSink,
+        gpu_kv_tokens: int | None = None,
     ) -> None:
+        """``gpu_kv_tokens``: vLLM's GPU prefix cache (default: the setup's)."""
         self.setup = setup
         self.workload = workload
         self.engine = engine
@@ -127,9 +136,7 @@ class Replay:
         self.cond = threading.Condition()
         #: (release time, index) of requests not yet arrived
         self.pending: list[tuple[float, int]] = [
-            (r.arrival_s / setup.clock, i)
-            for i, r in enumerate(self.requests)
-            if r.after is None
+            (r.arrival_s, i) for i, r in enumerate(self.requests) if r.after is None
         ]
         heapq.heapify(self.pending)
         self.waiting: deque[_Live] = deque()
@@ -139,12 +146,19 @@ class Replay:
         self.failure: BaseException | None = None
         self.hints = hint_forwarder(backend)
         self.copies = None if engine is None else GpuCopies(engine, setup)
-        self.gpu_cache = GpuPrefixCache(setup.gpu_kv_tokens)
+        self.gpu_cache = GpuPrefixCache(
+            setup.gpu_kv_tokens if gpu_kv_tokens is None else gpu_kv_tokens
+        )
+        #: no real work: the GPU clock is the only clock
+        self.virtual = engine is None
         self.start = 0.0
         self.gpu = 0.0
+        #: most seconds the wall clock ran ahead of the GPU clock at a step
         self.lag_max = 0.0
 
     def now(self) -> float:
+        if self.virtual:
+            return self.gpu
         return time.monotonic() - self.start
 
     def done(self) -> bool:
@@ -155,7 +169,8 @@ class Replay:
         frontend = threading.Thread(
             target=self._frontend, name="bench-frontend", daemon=True
         )
-        frontend.start()
+        if not self.virtual:
+            frontend.start()
         try:
             while not self.done():
                 self._admit()
@@ -169,7 +184,8 @@ class Replay:
             with self.cond:
                 self.finished = len(self.requests)
                 self.cond.notify_all()
-            frontend.join()
+            if frontend.is_alive():
+                frontend.join()
             if self.hints is not None:
                 self.hints.close()
         if self.failure is not None:
@@ -219,8 +235,22 @@ class Replay:
                 self.finished = len(self.requests)
                 self.cond.notify_all()
 
+    def _release_due(self) -> None:
+        """Virtual time: queue the requests that arrived by the GPU clock."""
+        while self.pending and self.pending[0][0] <= self.gpu:
+            release, index = heapq.heappop(self.pending)
+            self.waiting.append(_Live(index, arrival=release))
+
+    def _next_arrival(self) -> float:
+        """Virtual time: when the next request arrives (inf: none is due)."""
+        return self.pending[0][0] if self.pending else math.inf
+
     def _wait_for_arrival(self) -> None:
         """Idle until a request arrives; the GPU clock jumps to then."""
+        if self.virtual:
+            self.gpu = max(self.gpu, self._next_arrival())
+            self._release_due()
+            return
         with self.cond:
             while not self.waiting and not self.done():
                 self.cond.wait()
@@ -231,6 +261,8 @@ class Replay:
     def _admit(self) -> None:
         """Schedule waiting requests into free slots: lookups, then retrieves."""
         free = self.setup.concurrency - len(self.prefilling) - len(self.decoding)
+        if self.virtual:
+            self._release_due()
         with self.cond:
             count = min(free, len(self.waiting))
             admitted = [self.waiting.popleft() for _ in range(count)]
@@ -323,7 +355,7 @@ class Replay:
             chunks.append((live, take))
             budget -= take
         seconds += profile.decode_step_s(len(self.decoding), self._context())
-        self.gpu += seconds / self.setup.clock
+        self.gpu += seconds
         self._sleep_until(self.gpu)
         self._advance_decoders(1)
         for live, take in chunks:
@@ -353,13 +385,14 @@ class Replay:
     def _decode_steps(self) -> None:
         """Decode steps up to the next finish, or until an arrival can be
         admitted (at the end of the step in progress)."""
-        dt = (
-            self.setup.profile.decode_step_s(len(self.decoding), self._context())
-            / self.setup.clock
-        )
+        dt = self.setup.profile.decode_step_s(len(self.decoding), self._context())
         steps = min(live.output_left for live in self.decoding)
         began = self.gpu
-        if len(self.decoding) < self.setup.concurrency:
+        if len(self.decoding) < self.setup.concurrency and self.virtual:
+            arrival = self._next_arrival()
+            if arrival < began + steps * dt:
+                steps = max(1, math.ceil((arrival - began) / dt))
+        elif len(self.decoding) < self.setup.concurrency:
             with self.cond:
                 self.cond.wait_for(
                     lambda: bool(self.waiting) or self.done(),
@@ -388,7 +421,11 @@ class Replay:
 
     def _sleep_until(self, deadline: float) -> None:
         """Sleep to the GPU clock; note how far the wall clock ran ahead of it
-        (real work slower than modelled, e.g. on a busy machine)."""
+        (the loop woke late or its own work was slow, e.g. on a busy
+        machine: background threads then had time a GPU server would not
+        have given them)."""
+        if self.virtual:
+            return
         delay = deadline - self.now()
         if delay > 0:
             time.sleep(delay)
@@ -416,10 +453,7 @@ class Replay:
         with self.cond:
             for index in self.followers.get(live.index, ()):
                 follower = self.requests[index]
-                release = max(
-                    follower.arrival_s / self.setup.clock,
-                    self.gpu + follower.think_s / self.setup.clock,
-                )
+                release = max(follower.arrival_s, self.gpu + follower.think_s)
                 heapq.heappush(self.pending, (release, index))
             self.finished += 1
             self.cond.notify_all()

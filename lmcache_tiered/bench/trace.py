@@ -125,6 +125,22 @@ class WorkloadShape:
 
 
 WORKLOADS: dict[str, WorkloadShape] = {
+    "agent": WorkloadShape(
+        description=(
+            "coding-agent sessions: 6k-14k-token first messages over shared "
+            "system prompts, 2-3 turns a session, short answers; 2.6M distinct "
+            "tokens, more than vLLM's HBM cache of the reference profile"
+        ),
+        sessions=240,
+        rate_per_s=6.0,
+        system_prompts=4,
+        system_prompt_blocks=8,
+        turns=(2, 3),
+        first_user_tokens=(6000, 14000),
+        user_tokens=(200, 1000),
+        output_tokens=(20, 80),
+        think_s=15.0,
+    ),
     "multi-turn": WorkloadShape(
         description=(
             "multi-turn sessions: each turn extends the previous context after a "

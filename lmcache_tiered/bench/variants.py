@@ -1,12 +1,13 @@
 """The variants a bench run compares and their lifecycle: each warm-up policy
 on the plugin, LMCache's stock ``LocalDiskBackend``, vLLM's GPU prefix cache
-alone; for each a fresh engine and fresh directories, links modelled on its
-tiers, one replay, its result.
+alone, and the all-hot bound; for each a fresh engine and fresh directories,
+modelled devices under its tiers, one replay, its result.
 
 May touch: the variant's own directories (created and removed), the engine
-it builds and destroys (:mod:`lmcache_tiered.testing`), the plugin's cache
-settings (its clock) and tiers (links, :mod:`lmcache_tiered.bench.link`);
-with ``--cold-adapter``, the chunks it stored in that store (deleted at its end).
+it builds and destroys (:mod:`lmcache_tiered.testing`), the I/O hooks of its
+tiers and of the stock disk backend (devices,
+:mod:`lmcache_tiered.bench.devices`); with ``--cold-adapter``, the chunks it
+stored in that store (deleted at its end).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +28,16 @@ from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.bench import report
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.link import emulate_link
+from lmcache_tiered.bench import trace
+from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE, UNBOUNDED
+from lmcache_tiered.bench.devices import Device, model_disk_backend, model_tier
+from lmcache_tiered.bench.progress import Progress, ProgressSink, SharedCount
 from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.tier import Tier
+from lmcache_tiered.tierfiles import SHARED_FILE_SYSTEM_WARNING
 
 #: Name of the no-plugin baseline: LMCache's own LocalDiskBackend.
 LOCAL_DISK = "lmcache_local_disk"
@@ -133,7 +136,9 @@ def engine_config(name: str, setup: Setup, dirs: VariantDirs) -> LMCacheEngineCo
 
 
 class _ErrorCapture(logging.Filter):
-    """Holds back the plugin's ERROR records while an engine is built.
+    """Holds back the plugin's ERROR records while an engine is built, and
+    drops its warning that the warm directories share a file system (the
+    bench's modelled drives do on purpose).
 
     LMCache only logs a plugin that fails to load; the captured message
     becomes the reason a variant is unavailable instead of log noise.
@@ -144,16 +149,31 @@ class _ErrorCapture(logging.Filter):
         self.records: list[logging.LogRecord] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == SHARED_FILE_SYSTEM_WARNING:
+            return False
         if record.levelno >= logging.ERROR:
             self.records.append(record)
             return False
         return True
 
 
-def build_variant(
-    name: str, setup: Setup, dirs: VariantDirs
-) -> tuple[LMCacheEngine, TieredBackend | None]:
-    """A fresh engine for the variant; VariantUnavailable if the plugin failed."""
+#: Variants with no LMCache engine: they replay on virtual time.
+ENGINELESS = (NO_EXTERNAL_CACHE, ALL_HOT)
+
+
+@dataclass(slots=True)
+class Built:
+    """A variant's engine, our backend in it (None for the stock one), and
+    the modelled devices under its tiers by tier name."""
+
+    engine: LMCacheEngine
+    backend: TieredBackend | None
+    devices: dict[str, Device]
+
+
+def build_variant(name: str, setup: Setup, dirs: VariantDirs) -> Built:
+    """A fresh engine for the variant, its tiers on modelled devices;
+    VariantUnavailable if the plugin failed."""
     plugin_logger = logging.getLogger("lmcache_tiered")
     capture = _ErrorCapture()
     plugin_logger.addFilter(capture)
@@ -169,8 +189,13 @@ def build_variant(
         )
     finally:
         plugin_logger.removeFilter(capture)
+    devices: dict[str, Device] = {}
     if policy_of(name) == LOCAL_DISK:
-        return engine, None
+        if setup.warm_drive is not None:
+            stock = testing.get_backends(engine)["LocalDiskBackend"]
+            devices["disk"] = Device(setup.warm_drive, setup.shape.kv_scale)
+            model_disk_backend(stock, devices["disk"])
+        return Built(engine, None, devices)
     backend = testing.get_backends(engine).get("tiered")
     if not isinstance(backend, TieredBackend):
         testing.destroy_engine(engine)
@@ -179,17 +204,13 @@ def build_variant(
     for record in capture.records:
         plugin_logger.handle(record)
     if (cache := backend.cache) is not None:
-        # policies' time settings are production seconds: run their clock as
-        # fast as the replay's
-        cache.time_scale = setup.clock
-        for tier, link in (
-            (cache.tiers.get("cold"), setup.cold_link),
-            (cache.tiers.get("warm"), setup.warm_link),
-        ):
-            # a store cold tier (--cold-adapter) is a real link: none modelled
-            if link is not None and isinstance(tier, Tier):
-                emulate_link(tier, link, setup.clock)
-    return engine, backend
+        for tier_name, device in setup.tier_devices().items():
+            tier = cache.tiers.get(tier_name)  # type: ignore[call-overload]
+            # a store cold tier (--cold-adapter) is real: none modelled
+            if isinstance(tier, Tier):
+                devices[tier_name] = device
+                model_tier(tier, device)
+    return Built(engine, backend, devices)
 
 
 def warmup_quality(
@@ -210,24 +231,45 @@ def warmup_quality(
     return warmup.get("precision"), timeliness, held_back
 
 
-def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunResult:
-    """Replay the workload on a fresh engine and fresh directories
-    (``no_external_cache``: no engine, vLLM's GPU prefix cache only)."""
+def run_variant(
+    name: str,
+    setup: Setup,
+    workload: Workload,
+    label: str,
+    progress: ProgressSink | None = None,
+) -> RunResult:
+    """Replay the workload on a fresh engine and fresh directories (the
+    engine-less variants: vLLM's GPU prefix cache only, unbounded for the
+    all-hot bound, on virtual time), its progress on a bar called ``label``
+    unless ``progress`` is given."""
+    policy = policy_of(name)
     dirs = VariantDirs.create(setup, name)
     try:
-        engine, backend = (
-            (None, None)
-            if policy_of(name) == NO_EXTERNAL_CACHE
-            else build_variant(name, setup, dirs)
-        )
-        progress = report.Progress(label, len(workload.requests))
+        built = None if policy in ENGINELESS else build_variant(name, setup, dirs)
+        engine = None if built is None else built.engine
+        backend = None if built is None else built.backend
+        if progress is None:
+            progress = Progress(label, len(workload.requests))
         try:
             started = time.monotonic()
-            replay = Replay(setup, workload, engine, backend, name, progress)
+            replay = Replay(
+                setup,
+                workload,
+                engine,
+                backend,
+                name,
+                progress,
+                gpu_kv_tokens=UNBOUNDED if policy == ALL_HOT else None,
+            )
             records = replay.run()
             wall = time.monotonic() - started
             result = _result(name, setup, records, backend, wall, replay.lag_max)
             result.backend_metrics["gpu_prefix_cache"] = replay.gpu_cache.metrics()
+            if built is not None:
+                result.device_overrun = overrun_share(built.devices.values())
+                result.backend_metrics["devices"] = {
+                    tier: device.metrics() for tier, device in built.devices.items()
+                }
         except BaseException:
             progress.close("failed")
             raise
@@ -241,6 +283,26 @@ def run_variant(name: str, setup: Setup, workload: Workload, label: str) -> RunR
     finally:
         dirs.remove()
         gc.collect()
+
+
+def run_variant_apart(
+    name: str, setup: Setup, requests: list[trace.Request], seed: int, done: Any
+) -> RunResult:
+    """:func:`run_variant` in a process of its own (``--jobs``): the workload
+    is built again from ``requests`` and ``seed`` (the same tokens), and
+    each finished request is counted in ``done`` (a shared integer) for the
+    parent's progress bar. Its own interpreter, so its own GIL: variants
+    replayed at once do not make each other's replays lag."""
+    workload = Workload.build(requests, setup.shape, seed)
+    return run_variant(name, setup, workload, name, SharedCount(done))
+
+
+def overrun_share(devices: Iterable[Device]) -> float:
+    """By how much real I/O overran its devices, as a share of all their
+    modelled time (a device that moved little cannot dominate it)."""
+    devices = list(devices)
+    modelled = sum(d.modelled_s for d in devices)
+    return sum(d.overrun_s for d in devices) / modelled if modelled else 0.0
 
 
 def store_model_name() -> str:

@@ -1,0 +1,152 @@
+"""The interleaved rounds of a bench run: every variant once a round, each
+round starting one variant later, those without an engine first, the others
+``--jobs`` at a time, each in a process of its own (or, with one job, one
+after the other in this process).
+
+May touch: stderr (progress bars, skipped variants), child processes it
+starts and waits for; the runs themselves go through
+:mod:`lmcache_tiered.bench.variants`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from functools import partial
+
+from lmcache_tiered.bench import variants
+from lmcache_tiered.bench.progress import Progress
+from lmcache_tiered.bench.report import RunResult
+from lmcache_tiered.bench.scenario import Setup, Workload
+from lmcache_tiered.bench.variants import VariantUnavailable, policy_of
+
+
+def run_rounds(
+    names: Sequence[str],
+    setups: Sequence[Setup],
+    workload: Workload,
+    repeat: int,
+    jobs: int = 1,
+) -> tuple[dict[int, dict[str, list[RunResult]]], dict[str, str]]:
+    """Every variant ``repeat`` times at each setup's concurrency, round by
+    round, up to ``jobs`` of a round's variants with an engine replayed at
+    once (those without one first: they take no time); the results per
+    concurrency and variant, and the variants that could not run (not tried
+    again) with the reason."""
+    runs: dict[int, dict[str, list[RunResult]]] = {s.concurrency: {} for s in setups}
+    unavailable: dict[str, str] = {}
+    total = len(names) * repeat * len(setups)
+    number = 0
+    for setup in setups:
+        for r in range(repeat):
+            # interleaved, each round starting one variant later (A B C,
+            # B C A, ...): drift of the disk or of other load on the machine
+            # then touches every variant alike, and none always runs first
+            order = [names[(r + i) % len(names)] for i in range(len(names))]
+            labels = {}
+            for name in order:
+                number += 1
+                label = f"[{number}/{total}] {name}"
+                if len(setups) > 1:
+                    label += f" c{setup.concurrency}"
+                if repeat > 1:
+                    label += f" ({r + 1}/{repeat})"
+                labels[name] = label
+            todo = [n for n in order if n not in unavailable]
+            quick = [n for n in todo if policy_of(n) in variants.ENGINELESS]
+            real = [n for n in todo if n not in quick]
+            attempt = partial(
+                _attempt, setup=setup, workload=workload, unavailable=unavailable
+            )
+            # the quick ones first: they take no time
+            results = [attempt(n, labels[n]) for n in quick]
+            if jobs == 1:
+                results += [attempt(n, labels[n]) for n in real]
+            else:
+                results += _apart(real, labels, setup, workload, jobs, unavailable)
+            todo = quick + real
+            for name, result in zip(todo, results, strict=True):
+                if result is not None:
+                    runs[setup.concurrency].setdefault(name, []).append(result)
+    return runs, unavailable
+
+
+def _apart(
+    names: Sequence[str],
+    labels: Mapping[str, str],
+    setup: Setup,
+    workload: Workload,
+    jobs: int,
+    unavailable: dict[str, str],
+) -> list[RunResult | None]:
+    """Run ``names`` ``jobs`` at a time, each in a fresh process of its own
+    (:func:`variants.run_variant_apart`), their progress bars drawn here;
+    None, and the reason in ``unavailable``, for each that could not run."""
+    context = multiprocessing.get_context("spawn")  # torch and threads: no fork
+    with (
+        context.Manager() as manager,
+        ProcessPoolExecutor(jobs, mp_context=context, max_tasks_per_child=1) as pool,
+    ):
+        done = {name: manager.Value("i", 0) for name in names}
+        futures = {
+            name: pool.submit(
+                variants.run_variant_apart,
+                name,
+                setup,
+                workload.requests,
+                workload.seed,
+                done[name],
+            )
+            for name in names
+        }
+        bars: dict[str, Progress] = {}
+        shown: dict[str, int] = {}
+        while bars.keys() != futures.keys() or any(n in shown for n in bars):
+            for name, future in futures.items():
+                if name not in bars and (future.running() or future.done()):
+                    bars[name] = Progress(labels[name], len(workload.requests))
+                    shown[name] = 0
+                if name in shown:
+                    count = done[name].value
+                    bars[name].advance(count - shown[name])
+                    shown[name] = count
+                    if future.done():
+                        del shown[name]
+                        bars[name].close(_closing_note(future))
+            time.sleep(0.2)
+        results: list[RunResult | None] = []
+        for name, future in futures.items():
+            try:
+                results.append(future.result())
+            except VariantUnavailable as exc:
+                unavailable[name] = str(exc)
+                print(f"{labels[name]}: skipped: {exc}", file=sys.stderr)
+                results.append(None)
+        return results
+
+
+def _closing_note(future: Future[RunResult]) -> str:
+    if future.exception() is not None:
+        return "failed"
+    return f"done in {future.result().wall_s:.0f}s"
+
+
+def _attempt(
+    name: str,
+    label: str,
+    *,
+    setup: Setup,
+    workload: Workload,
+    unavailable: dict[str, str],
+) -> RunResult | None:
+    """One variant's run; None, and the reason in ``unavailable``, if it
+    could not run."""
+    try:
+        return variants.run_variant(name, setup, workload, label)
+    except VariantUnavailable as exc:
+        unavailable[name] = str(exc)
+        print(f"{label}: skipped: {exc}", file=sys.stderr)
+        return None

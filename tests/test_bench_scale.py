@@ -1,0 +1,121 @@
+"""The bench's verdict does not move with its scale-down factor F.
+
+The measurement model's rule (DESIGN.md): the same workload at two scale
+factors gives the same TTFTs and ranking. Real work (LMCache's calls, this
+machine's I/O) is charged once on the production clock and the drives charge
+production's bytes, so F only changes what this machine stores. Here a small
+workload whose TTFTs are set by loads from disk (no CPU tier, no GPU prefix
+cache) runs at F = 2, 4 and 16 through real LMCache, real files and the
+modelled drives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from lmcache_tiered.bench import command, report, scenario, variants
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+
+#: Three 2k-token documents read once, then nine times again (each with a
+#: question of its own under one chunk): the rereads, most of the requests,
+#: load the documents from the warm tier (the plugin, over two drives) or
+#: from the stock backend's one drive.
+DOCUMENT_TOKENS = 2048
+FIRST_READS_MS = (0, 300, 600)
+REREADS_MS = tuple(1500 + 400 * k for k in range(9))
+SCALES = (2, 4, 16)
+VARIANTS = ("none", variants.LOCAL_DISK, NO_EXTERNAL_CACHE)
+
+
+def write_trace(path: Path) -> Path:
+    blocks = DOCUMENT_TOKENS // 512
+    records = [
+        {
+            "timestamp": at,
+            "input_length": DOCUMENT_TOKENS,
+            "output_length": 4,
+            "hash_ids": list(range(d * 100, d * 100 + blocks)),
+        }
+        for d, at in enumerate(FIRST_READS_MS)
+    ]
+    records += [
+        {
+            "timestamp": at,
+            "input_length": DOCUMENT_TOKENS + 100,
+            "output_length": 4,
+            "hash_ids": [*range(k % 3 * 100, k % 3 * 100 + blocks), 1000 + k],
+        }
+        for k, at in enumerate(REREADS_MS)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def summaries_at(tmp_path: Path, scale: int) -> dict[str, dict[str, Any]]:
+    """Each variant's summary at ``--kv-scale scale``."""
+    drives = [tmp_path / f"d{scale}-{i}" for i in range(2)]
+    for drive in drives:
+        drive.mkdir()
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        [
+            "bench",
+            "--trace",
+            str(write_trace(tmp_path / "docs.jsonl")),
+            "--profile",
+            "llama-3.1-8b-tp1",
+            "--kv-scale",
+            str(scale),
+            "--gpu-kv-gb",
+            "0",
+            "--hot-gb",
+            "0",
+            "--warm",
+            ",".join(map(str, drives)),
+            "--warm-drive",
+            "0.5,0.1",
+            "--cold",
+            "none",
+            "--concurrency",
+            "2",
+        ]
+    )
+    requests = scenario.load_requests(args)
+    setup = scenario.make_setup(args, requests)
+    workload = scenario.Workload.build(requests, setup.shape, args.seed)
+    return {
+        name: report.summarize(variants.run_variant(name, setup, workload, name))
+        for name in VARIANTS
+    }
+
+
+def test_the_same_workload_at_f_2_4_16_gives_the_same_ttfts_and_ranking(
+    tmp_path: Path,
+) -> None:
+    runs = {scale: summaries_at(tmp_path, scale) for scale in SCALES}
+    ttft = {
+        name: [runs[scale][name]["ttft_p50_s"] for scale in SCALES] for name in VARIANTS
+    }
+    for scale in SCALES:
+        for name in VARIANTS:
+            assert runs[scale][name]["valid"], (scale, name, runs[scale][name])
+    # loads from disk set the TTFTs: the plugin's two drives beat the stock
+    # backend's one; recomputing 2k tokens beats both on this profile
+    for name, values in ttft.items():
+        assert max(values) <= 1.1 * min(values), (
+            name,
+            dict(zip(SCALES, values, strict=True)),
+        )
+    rankings = {
+        scale: sorted(VARIANTS, key=lambda n: runs[scale][n]["ttft_p50_s"])
+        for scale in SCALES
+    }
+    assert len({tuple(r) for r in rankings.values()}) == 1, rankings
+    assert rankings[2] == [NO_EXTERNAL_CACHE, "none", variants.LOCAL_DISK]
+    # the rereads were served from disk, not recomputed
+    for scale in SCALES:
+        assert runs[scale]["none"]["hit_rate"]["warm"] > 0.5
