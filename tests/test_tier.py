@@ -300,16 +300,17 @@ def test_evict_only_spares_records_not_copied_elsewhere(
 def test_after_io_hears_the_bytes_each_operation_moved(
     tier_factory: TierFactory, allocator: MixedMemoryAllocator
 ) -> None:
-    """The hook a link model pays its delay in: once per demand read, payload
-    read and payload write, in the caller's thread, after the I/O (a write
-    is visible by then), with the payload bytes moved; misses and keys
-    already stored move none."""
+    """The hook the bench's device models hold the caller in: once per demand
+    read, payload read and payload write, in the caller's thread, after the
+    I/O (a write is visible by then), with the payload bytes moved and the
+    time the call began; misses and keys already stored move none."""
     tier = tier_factory()
     caller = threading.get_ident()
     heard: list[tuple[int, bool]] = []
 
-    def pay(nbytes: int) -> None:
+    def pay(nbytes: int, began: float) -> None:
         assert threading.get_ident() == caller
+        assert began <= time.monotonic()
         heard.append((nbytes, tier.header(key(0)) is not None))
         time.sleep(0.05)
 
