@@ -779,9 +779,11 @@ def test_a_bad_concurrency_list_is_refused_by_name(
 
 
 def test_seed_table_ranges_and_changes_against_both_references() -> None:
-    def entry(ttft: list[float], tps: list[float]) -> dict[str, Any]:
+    def entry(
+        ttft: list[float], tps: list[float], valid: bool = True
+    ) -> dict[str, Any]:
         per_run = {"ttft_p50_s": ttft, "ttft_p90_s": ttft, "throughput_tps": tps}
-        return {"runs": len(ttft), "per_run": per_run}
+        return {"runs": len(ttft), "per_run": per_run, "valid": valid}
 
     by_concurrency = {
         8: {
@@ -827,10 +829,21 @@ def test_seed_table_ranges_and_changes_against_both_references() -> None:
     ]
     assert text[4].split()[-4:] == ["-", "-", "-", "-"]
     # one run: the value alone, no range
-    one = {"runs": 1, "ttft_p50_s": 2.0, "ttft_p90_s": 3.0, "throughput_tps": 50.0}
+    one = {
+        "runs": 1,
+        "ttft_p50_s": 2.0,
+        "ttft_p90_s": 3.0,
+        "throughput_tps": 50.0,
+        "valid": True,
+    }
     rows = report.seed_rows({8: {"none": one}}, references)
     line = report.seed_table(rows, references).splitlines()[2]
     assert line.split() == ["none", "8", "2.00s", "3.00s", "50", "-", "-", "-", "-"]
+    # a run that measured this machine is shown, but compared with nothing
+    by_concurrency[8]["hinted"]["valid"] = False
+    rows = report.seed_rows(by_concurrency, references)
+    text = report.seed_table(rows, references).splitlines()
+    assert text[3].count("not valid") == 4 and "-35%" not in text[3]
 
 
 def test_percentile_interpolates() -> None:

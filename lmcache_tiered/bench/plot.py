@@ -199,6 +199,9 @@ def draw_concurrencies(
 
 def _change_label(row: Mapping[str, Any], reference: str, key: str) -> str:
     """A bar's change against ``reference``, as the seed's table gives it
-    (the median of the paired changes); empty where there is none."""
+    (the median of the paired changes); empty where there is none, "not
+    valid" for a run that measured this machine."""
+    if not row["valid"]:
+        return "not valid"
     change = (row["change_vs"].get(reference) or {}).get(key)
     return "" if change is None else f"{100 * change['median']:+.0f}%"

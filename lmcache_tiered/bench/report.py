@@ -504,6 +504,7 @@ def seed_rows(
                 "variant": name,
                 "concurrency": concurrency,
                 "runs": s["runs"],
+                "valid": s["valid"],
             }
             for key in SEED_NUMBERS.values():
                 row[key] = spread(run_values(s, key))
@@ -542,6 +543,8 @@ def seed_table(rows: Sequence[Mapping[str, Any]], references: Sequence[str]) -> 
             changes = row["change_vs"][ref] or {}
             cells += [
                 spread_text(changes.get(key), _percent, "%", ranged)
+                if row["valid"]
+                else "not valid"
                 for key in SEED_CHANGES.values()
             ]
         out.add_row(row["variant"], str(row["concurrency"]), *cells)
