@@ -656,6 +656,13 @@ def test_repeats_rotate_the_order_and_report_paired_changes(
     assert "paired_change_vs_none" not in policies["none"]
 
 
+def test_policies_default_to_no_warm_up_and_hints_or_all_installed() -> None:
+    assert command.chosen_policies(None) == ["none", "hinted"]
+    every = command.chosen_policies("all")
+    assert every[0] == "none" and {"hinted", "session", "lookahead"} <= set(every)
+    assert command.chosen_policies("session, none") == ["session", "none"]
+
+
 def test_a_policy_named_twice_runs_twice_as_an_a_a_pair(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -253,7 +253,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str) -> str:
         "timely",
         "held back",
         "of bound",
-        "lag",
+        "lag/overrun",
         f"dTTFT50 vs {reference}",
         f"dtok/s vs {reference}",
     )
@@ -284,7 +284,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str) -> str:
             _fmt(s["warmup_timeliness"], ".2f"),
             _fmt(s["warmup_held_back"], ".0f"),
             "-" if share is None else f"{100 * share:.0f}%",
-            f"{100 * max(s['lag_share'], s['device_overrun_share']):.0f}%",
+            f"{100 * s['lag_share']:.0f}/{100 * s['device_overrun_share']:.0f}%",
             *changes,
         )
     return render(out)
