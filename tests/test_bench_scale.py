@@ -103,7 +103,12 @@ def test_the_same_workload_at_f_2_4_16_gives_the_same_ttfts_and_ranking(
     for scale in SCALES:
         for name in VARIANTS:
             run = runs[scale][name]
-            assert run["valid"], (scale, name, run["lag_share"], run["device_overrun_share"])
+            assert run["valid"], (
+                scale,
+                name,
+                run["lag_share"],
+                run["device_overrun_share"],
+            )
     # loads from disk set the TTFTs: the plugin's two drives beat the stock
     # backend's one; recomputing 1k tokens beats both on this profile
     for name, values in ttft.items():
