@@ -14,6 +14,11 @@ import rich.progress
 from rich.console import Console
 
 
+def finished_note(wall_s: float) -> str:
+    """What a finished variant's bar says."""
+    return f"done in {wall_s:.0f}s"
+
+
 class ProgressSink(Protocol):
     """What a replay reports its progress to."""
 

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from functools import partial
 
 from lmcache_tiered.bench import variants
-from lmcache_tiered.bench.progress import Progress
+from lmcache_tiered.bench.progress import Progress, finished_note
 from lmcache_tiered.bench.report import RunResult
 from lmcache_tiered.bench.scenario import Setup, Workload
 from lmcache_tiered.bench.variants import VariantUnavailable, policy_of
@@ -122,8 +122,7 @@ def _apart(
             try:
                 results.append(future.result())
             except VariantUnavailable as exc:
-                unavailable[name] = str(exc)
-                print(f"{labels[name]}: skipped: {exc}", file=sys.stderr)
+                _skipped(name, labels[name], exc, unavailable)
                 results.append(None)
         return results
 
@@ -131,7 +130,15 @@ def _apart(
 def _closing_note(future: Future[RunResult]) -> str:
     if future.exception() is not None:
         return "failed"
-    return f"done in {future.result().wall_s:.0f}s"
+    return finished_note(future.result().wall_s)
+
+
+def _skipped(
+    name: str, label: str, exc: VariantUnavailable, unavailable: dict[str, str]
+) -> None:
+    """Note a variant that could not run (it is not tried again)."""
+    unavailable[name] = str(exc)
+    print(f"{label}: skipped: {exc}", file=sys.stderr)
 
 
 def _attempt(
@@ -147,6 +154,5 @@ def _attempt(
     try:
         return variants.run_variant(name, setup, workload, label)
     except VariantUnavailable as exc:
-        unavailable[name] = str(exc)
-        print(f"{label}: skipped: {exc}", file=sys.stderr)
+        _skipped(name, label, exc, unavailable)
         return None

@@ -86,6 +86,13 @@ class Setup:
             devices["cold"] = Device(self.warm_drive, scale, len(self.cold_paths))
         return devices
 
+    def stock_device(self) -> Device | None:
+        """A fresh modelled drive for the stock LocalDiskBackend: one of the
+        warm kind (LMCache's backend uses one of the paths it is given)."""
+        if self.warm_drive is None:
+            return None
+        return Device(self.warm_drive, self.shape.kv_scale)
+
     @property
     def cold_remote(self) -> bool:
         """The cold tier is behind a link: modelled, or a real store."""

@@ -388,11 +388,13 @@ class Replay:
         dt = self.setup.profile.decode_step_s(len(self.decoding), self._context())
         steps = min(live.output_left for live in self.decoding)
         began = self.gpu
-        if len(self.decoding) < self.setup.concurrency and self.virtual:
+        if len(self.decoding) >= self.setup.concurrency:
+            pass  # no slot for an arrival: decode up to the next finish
+        elif self.virtual:
             arrival = self._next_arrival()
             if arrival < began + steps * dt:
                 steps = max(1, math.ceil((arrival - began) / dt))
-        elif len(self.decoding) < self.setup.concurrency:
+        else:
             with self.cond:
                 self.cond.wait_for(
                     lambda: bool(self.waiting) or self.done(),

@@ -31,7 +31,12 @@ from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import trace
 from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE, UNBOUNDED
 from lmcache_tiered.bench.devices import Device, model_disk_backend, model_tier
-from lmcache_tiered.bench.progress import Progress, ProgressSink, SharedCount
+from lmcache_tiered.bench.progress import (
+    Progress,
+    ProgressSink,
+    SharedCount,
+    finished_note,
+)
 from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
@@ -191,10 +196,10 @@ def build_variant(name: str, setup: Setup, dirs: VariantDirs) -> Built:
         plugin_logger.removeFilter(capture)
     devices: dict[str, Device] = {}
     if policy_of(name) == LOCAL_DISK:
-        if setup.warm_drive is not None:
+        if (drive := setup.stock_device()) is not None:
             stock = testing.get_backends(engine)["LocalDiskBackend"]
-            devices["disk"] = Device(setup.warm_drive, setup.shape.kv_scale)
-            model_disk_backend(stock, devices["disk"])
+            devices["disk"] = drive
+            model_disk_backend(stock, drive)
         return Built(engine, None, devices)
     backend = testing.get_backends(engine).get("tiered")
     if not isinstance(backend, TieredBackend):
@@ -278,7 +283,7 @@ def run_variant(
                 _delete_from_store(backend.cache)
             if engine is not None:
                 testing.destroy_engine(engine)
-        progress.close(f"done in {wall:.0f}s")
+        progress.close(finished_note(wall))
         return result
     finally:
         dirs.remove()
