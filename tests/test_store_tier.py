@@ -522,9 +522,9 @@ def test_bench_runs_against_the_real_store_and_leaves_it_empty(
     a, c = list(range(1, 7)), list(range(20, 26))
     requests = [
         mooncake(0, 6 * 512, a),
-        mooncake(100_000, 6 * 512, c),
-        mooncake(200_000, 6 * 512 + 300, [*a, 9]),
-        mooncake(300_000, 6 * 512 + 400, [*a, 10]),
+        mooncake(1_000, 6 * 512, c),
+        mooncake(2_000, 6 * 512 + 300, [*a, 9]),
+        mooncake(3_000, 6 * 512 + 400, [*a, 10]),
     ]
     trace_path = write_trace(tmp_path / "t.jsonl", requests)
     out = tmp_path / "r.json"
@@ -532,9 +532,10 @@ def test_bench_runs_against_the_real_store_and_leaves_it_empty(
     argv += ["--cold-adapter", redis.adapter, "--hot-gb", "0"]
     argv += ["--warm-gb", str(3 * (chunk + 4096) / 2**30), "--concurrency", "1"]
     argv += ["--policies", "none,lookahead", "--no-baseline", "--plot", "none"]
+    argv += ["--jobs", "1"]  # in this process: the patched PROBE_S holds
     assert main([*argv, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "cold tier on a real resp store" in printed
+    assert "cold on a real resp store" in printed
     document = json.loads(out.read_text())
     assert document["config"]["cold_adapter"]["type"] == "resp"
     assert document["config"]["cold_link"] is None  # the store is the link

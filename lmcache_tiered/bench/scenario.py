@@ -251,13 +251,14 @@ def describe(
     shape, profile = setup.shape, setup.profile
     unique = trace.unique_tokens(requests) * shape.bytes_per_token
     if setup.cold_adapter is not None:
-        cold = f"the store {json.dumps(setup.cold_adapter)} (real, no link model)"
+        cold = (
+            f"on a real {setup.cold_adapter['type']} store "
+            f"{json.dumps(setup.cold_adapter)} (no link model)"
+        )
     elif setup.cold_link is not None:
-        cold = f"remote behind a modelled link of {setup.cold_link}"
+        cold = f"remote behind a modelled link of {setup.cold_link} ({setup.cold_gb:.1f} GiB)"
     elif setup.cold_paths:
-        cold = drives_text(setup.cold_paths, setup.warm_drive)
-    if setup.cold_link is not None or setup.cold_paths:
-        cold += f" ({setup.cold_gb:.1f} GiB)"
+        cold = f"{drives_text(setup.cold_paths, setup.warm_drive)} ({setup.cold_gb:.1f} GiB)"
     else:
         cold = "none"
     lines = [
