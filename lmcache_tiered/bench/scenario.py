@@ -256,9 +256,11 @@ def describe(
             f"{json.dumps(setup.cold_adapter)} (no link model)"
         )
     elif setup.cold_link is not None:
-        cold = f"remote behind a modelled link of {setup.cold_link} ({setup.cold_gb:.1f} GiB)"
+        size = f"{setup.cold_gb:.1f} GiB"
+        cold = f"remote behind a modelled link of {setup.cold_link} ({size})"
     elif setup.cold_paths:
-        cold = f"{drives_text(setup.cold_paths, setup.warm_drive)} ({setup.cold_gb:.1f} GiB)"
+        drives = drives_text(setup.cold_paths, setup.warm_drive)
+        cold = f"{drives} ({setup.cold_gb:.1f} GiB)"
     else:
         cold = "none"
     lines = [
