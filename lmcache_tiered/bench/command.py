@@ -20,7 +20,7 @@ from lmcache_tiered.bench import plot, presets, report, rounds, trace
 from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.devices import DeviceSpec
 from lmcache_tiered.bench.profiles import DEFAULT_PROFILE, PROFILES
-from lmcache_tiered.bench.report import RunResult
+from lmcache_tiered.bench.report import RunResult, ttfts
 from lmcache_tiered.bench.scenario import (
     DEFAULT_WARM_DRIVES,
     Setup,
@@ -469,7 +469,10 @@ def main(args: argparse.Namespace) -> int:
         else:
             plot.draw_run(
                 plot_path,
-                runs[setup.concurrency],
+                {
+                    name: [t for result in results for t in ttfts(result)]
+                    for name, results in runs[setup.concurrency].items()
+                },
                 by_concurrency[setup.concurrency],
                 title,
                 NO_EXTERNAL_CACHE,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmcache_tiered.bench.report import RunResult, delta, ttfts
+from lmcache_tiered.bench.report import delta
 
 
 def _pyplot() -> Any:
@@ -24,13 +24,14 @@ def _pyplot() -> Any:
 
 def draw_run(
     path: str,
-    runs: Mapping[str, Sequence[RunResult]],
+    ttft_values: Mapping[str, Sequence[float]],
     summaries: Mapping[str, Mapping[str, Any]],
     title: str,
     reference: str,
     stock: str,
 ) -> None:
-    """The run as a PNG: TTFT CDF per variant, all its runs pooled; TTFT p50
+    """The run as a PNG: TTFT CDF per variant (``ttft_values``: every
+    request's TTFT, all its runs pooled); TTFT p50
     and token throughput bars, each labelled with its change against
     ``reference`` (drawn grey and dashed) where it ran, or "not valid" for a
     variant whose run measured this machine (``valid`` false)."""
@@ -47,7 +48,7 @@ def draw_run(
         1, 3, figsize=(16, 5.5), gridspec_kw={"width_ratios": [1.5, 1, 1]}
     )
     for name in names:
-        values = sorted(t for result in runs[name] for t in ttfts(result))
+        values = sorted(ttft_values[name])
         shares = [(i + 1) / len(values) for i in range(len(values))]
         cdf.step(
             values,
