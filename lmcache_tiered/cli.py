@@ -16,6 +16,7 @@ from collections.abc import Sequence
 #: subcommand name -> module that implements it
 COMMANDS: dict[str, str] = {
     "bench": "lmcache_tiered.bench.command",
+    "serve-bench": "lmcache_tiered.bench.serve_bench",
     "diskbench": "lmcache_tiered.bench.diskbench",
     "inspect": "lmcache_tiered.ops.inspect",
     "fsck": "lmcache_tiered.ops.fsck",

@@ -141,6 +141,23 @@ WORKLOADS: dict[str, WorkloadShape] = {
         output_tokens=(20, 80),
         think_s=15.0,
     ),
+    "agent-cpu": WorkloadShape(
+        description=(
+            "agent sessions sized for a CPU server (serve-bench's default): "
+            "2k-4k-token first messages over two shared system prompts, 2-3 "
+            "turns a session; 150k distinct tokens, several times vLLM's own "
+            "cache and LMCache's L1 at serve-bench's defaults"
+        ),
+        sessions=40,
+        rate_per_s=0.25,
+        system_prompts=2,
+        system_prompt_blocks=2,
+        turns=(2, 3),
+        first_user_tokens=(2000, 4000),
+        user_tokens=(100, 400),
+        output_tokens=(16, 32),
+        think_s=20.0,
+    ),
     "multi-turn": WorkloadShape(
         description=(
             "multi-turn sessions: each turn extends the previous context after a "

