@@ -867,8 +867,8 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     stock = report.RunResult("stock", [record], 1024, None, {}, None, None, None, 1)
     summaries = {"none": report.summarize(result), "stock": report.summarize(stock)}
     path = tmp_path / "bench.png"
-    runs = {"none": [result, result], "stock": [stock]}
-    plot.draw_run(str(path), runs, summaries, "A vs B", "none", "stock")
+    ttfts = {"none": report.ttfts(result) * 2, "stock": report.ttfts(stock)}
+    plot.draw_run(str(path), ttfts, summaries, "A vs B", "none", "stock")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
