@@ -25,6 +25,7 @@ from lmcache_tiered.bench.scenario import (
     DEFAULT_WARM_DRIVES,
     Setup,
     Workload,
+    add_workload_arguments,
     check_space,
     compared,
     config_json,
@@ -121,32 +122,7 @@ def add_parser(subparsers: Any) -> None:
         + "; ".join(f"{n}: {p.description}" for n, p in presets.PRESETS.items())
         + ")",
     )
-    load = parser.add_argument_group("workload")
-    load.add_argument(
-        "--trace",
-        metavar="FILE",
-        help="Mooncake JSON-lines trace (default: the built-in generator)",
-    )
-    load.add_argument(
-        "--workload",
-        choices=list(trace.WORKLOADS),
-        default=DEFAULT_WORKLOAD,
-        help="built-in workload when no --trace is given (default: "
-        f"{DEFAULT_WORKLOAD})",
-    )
-    load.add_argument(
-        "--limit", type=int, metavar="N", help="replay only the first N requests"
-    )
-    load.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        metavar="X",
-        help="multiply arrival and think times; < 1 is more load (default: 1)",
-    )
-    load.add_argument(
-        "--seed", type=int, default=0, help="generator and token seed (default: 0)"
-    )
+    add_workload_arguments(parser, DEFAULT_WORKLOAD)
     model = parser.add_argument_group("model")
     model.add_argument(
         "--profile",

@@ -168,6 +168,35 @@ def _filesystem_type(path: str) -> str:
     return kind
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """The options :func:`load_requests` reads (bench and serve-bench)."""
+    load = parser.add_argument_group("workload")
+    load.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="Mooncake JSON-lines trace (default: the built-in generator)",
+    )
+    load.add_argument(
+        "--workload",
+        choices=list(trace.WORKLOADS),
+        default=default,
+        help=f"built-in workload when no --trace is given (default: {default})",
+    )
+    load.add_argument(
+        "--limit", type=int, metavar="N", help="replay only the first N requests"
+    )
+    load.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="multiply arrival and think times; < 1 is more load (default: 1)",
+    )
+    load.add_argument(
+        "--seed", type=int, default=0, help="generator and token seed (default: 0)"
+    )
+
+
 def load_requests(args: argparse.Namespace) -> list[trace.Request]:
     requests = (
         trace.load_mooncake(args.trace, args.limit)

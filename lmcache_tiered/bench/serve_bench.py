@@ -35,7 +35,11 @@ from lmcache_tiered.bench.report import (
     render,
     write_json,
 )
-from lmcache_tiered.bench.scenario import CHUNK_TOKENS, load_requests
+from lmcache_tiered.bench.scenario import (
+    CHUNK_TOKENS,
+    add_workload_arguments,
+    load_requests,
+)
 from lmcache_tiered.bench.tiny_model import TinyLlama
 
 NO_EXTERNAL_CACHE = "no_external_cache"
@@ -93,23 +97,7 @@ def add_parser(subparsers: Any) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    load = parser.add_argument_group("workload")
-    load.add_argument("--trace", metavar="FILE", help="Mooncake JSON-lines trace")
-    load.add_argument(
-        "--workload",
-        choices=list(trace.WORKLOADS),
-        default=DEFAULT_WORKLOAD,
-        help=f"built-in workload without --trace (default: {DEFAULT_WORKLOAD})",
-    )
-    load.add_argument("--limit", type=int, metavar="N", help="the first N requests")
-    load.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        metavar="X",
-        help="multiply arrival and think times (default: 1)",
-    )
-    load.add_argument("--seed", type=int, default=0, help="workload seed")
+    add_workload_arguments(parser, DEFAULT_WORKLOAD)
     run = parser.add_argument_group("servers")
     run.add_argument(
         "--warm",
