@@ -6,13 +6,15 @@ found" and vLLM recomputes everything). This module supplies one, for the
 end-to-end tests only; it is not part of the serving path.
 
 vLLM-CPU's paged cache, per layer: ``[num_blocks, num_kv_heads, block_size,
-2 * head_size]``. With the "vec" ISA layout each (block, head) holds K
-*transposed*, ``[head_size, block_size]``, then V, ``[block_size,
-head_size]``; a naive reading gets K wrong. Writes go through vLLM's own
-``cpu_attn_reshape_and_cache`` (exact for any ISA); reads gather with the
-layout above, which :func:`check_layout` verifies against that op when vLLM
-registers its caches, refusing to run on a mismatch (the "amx" ISA of bf16
-on AMX hosts packs differently, for one).
+2 * head_size]``, packed per block in an order that depends on the attention
+ISA vLLM picks for the host: with "vec" each (block, head) holds K
+*transposed*, then V; with "amx" (bf16 on AMX hosts) K and V are packed
+again for the tile units. Rather than hard-code either, writes go through
+vLLM's own ``cpu_attn_reshape_and_cache`` and reads gather through a map of
+where that op puts each element of a block, learned once per shape by writing
+elements that carry their own index (:func:`_block_map`). :func:`check_layout`
+verifies a random round trip when vLLM registers its caches and refuses to
+run on a mismatch.
 
 Use it as the KV connector ``CPUTestLMCacheConnector`` from module
 ``e2e.cpu_kv`` (``tests`` on PYTHONPATH): it is vLLM's LMCacheConnectorV1
@@ -23,6 +25,7 @@ negative control of the ids check.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -63,16 +66,62 @@ def _write(
     cpu_attn_reshape_and_cache(key, value, halves[0], halves[1], slots, isa)
 
 
+#: digits of an element's index written per pass: values 1..BASE are exact
+#: integers in bf16, fp16 and fp32 (0 marks a place the op never wrote)
+_BASE = 128
+
+
+@functools.cache
+def _block_map(
+    dtype: torch.dtype, heads: int, block_size: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's write op puts K[t, h, d] and V[t, h, d] of one block: two
+    ``[block_size, heads, head_size]`` tensors of offsets into the block's
+    flat storage. Learned by writing every element's index into a scratch
+    block, one base-128 digit per pass; LayoutError unless every element lands
+    in exactly one place (a layout that is a permutation of the block)."""
+    per_half = block_size * heads * head_size
+    index = torch.arange(2 * per_half)
+    slots = torch.arange(block_size)
+    source = torch.zeros(2 * per_half, dtype=torch.long)  # per place in the block
+    written: torch.Tensor | None = None
+    scale, passes = 1, 0
+    while scale < 2 * per_half or passes == 0:
+        digit = (index // scale % _BASE + 1).to(dtype)
+        scratch = torch.zeros(1, heads, block_size, 2 * head_size, dtype=dtype)
+        key, value = (
+            half.view(block_size, heads, head_size) for half in digit.chunk(2)
+        )
+        _write(scratch, key, value, slots)
+        got = scratch.flatten().to(torch.long)
+        written = got > 0 if written is None else written & (got > 0)
+        source += (got - 1).clamp(min=0) * scale
+        scale, passes = scale * _BASE, passes + 1
+    assert written is not None
+    places = torch.nonzero(written).flatten()
+    if len(places) != 2 * per_half or not torch.equal(
+        torch.sort(source[places]).values, index
+    ):
+        raise LayoutError(
+            f"vLLM-CPU's write op ({dtype}, {heads} heads, block size {block_size}, "
+            f"head size {head_size}) is not a permutation of the block: "
+            "refusing to run (K/V would be wrong)"
+        )
+    offset_of = torch.empty_like(index)
+    offset_of[source[places]] = places
+    k_at, v_at = (h.view(block_size, heads, head_size) for h in offset_of.chunk(2))
+    return k_at, v_at
+
+
 def _read(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """K and V of ``slots`` as ``[T, heads, head_size]``, per the vec layout."""
+    """K and V of ``slots`` as ``[T, heads, head_size]``, through the map of
+    where vLLM's write op put them."""
     num_blocks, heads, block_size, fused = cache.shape
-    head_size = fused // 2
-    flat = cache.view(num_blocks, heads, block_size * fused)
-    k = flat[..., : head_size * block_size].view(num_blocks, heads, head_size, -1)
-    v = flat[..., head_size * block_size :].view(num_blocks, heads, -1, head_size)
-    blocks, offsets = slots // block_size, slots % block_size
-    # advanced indices apart from each other: the token axis comes first
-    return k[blocks, :, :, offsets], v[blocks, :, offsets, :]
+    k_at, v_at = _block_map(cache.dtype, heads, block_size, fused // 2)
+    flat = cache.view(num_blocks, -1)
+    blocks = (slots // block_size)[:, None, None]
+    offsets = slots % block_size
+    return flat[blocks, k_at[offsets]], flat[blocks, v_at[offsets]]
 
 
 def check_layout(like: torch.Tensor) -> None:
@@ -93,7 +142,8 @@ def check_layout(like: torch.Tensor) -> None:
         isa = _isa(like.dtype, block_size, fused // 2)
         raise LayoutError(
             f"vLLM-CPU's KV cache layout (ISA {isa!r}, dtype {like.dtype}) is not "
-            "the vec layout cpu_kv reads: refusing to run (K/V would be wrong)"
+            "the one cpu_kv learned from its write op: refusing to run (K/V would "
+            "be wrong)"
         )
     logger.info(
         "cpu_kv: vLLM-CPU's KV layout checked against cpu_attn_reshape_and_cache "
