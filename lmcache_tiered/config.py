@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import math
 import os
 import re
@@ -19,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+logger = logging.getLogger("lmcache_tiered")
+
 PREFIX = "tiered."
 #: The warm-up policy when none is set: the one ``lmcache-tiered bench`` shows
 #: best overall (see README, "Trace replay"): on the measured workloads no
@@ -27,6 +30,8 @@ DEFAULT_POLICY = "none"
 GIB = 1 << 30
 #: The kernel's limit on an io_uring's entries (IORING_MAX_ENTRIES).
 MAX_QUEUE_DEPTH = 32768
+#: A stripe unit above 1 GiB is no stripe: no chunk of LMCache's is that big.
+MAX_STRIPE_KB = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -220,7 +225,10 @@ SETTINGS: dict[str, Setting] = {
         "I/O requests kept in flight per tier (each engine caps it lower)",
     ),
     "stripe_kb": Setting(
-        _positive(_parse_int), 1024, "stripe unit in KiB (multiple of 4)"
+        _in_range(_parse_int, 4, MAX_STRIPE_KB),
+        1024,
+        "largest stripe unit in KiB (multiple of 4; a chunk splits into whole "
+        "rows of units over the tier's devices)",
     ),
     "direct_io": Setting(_parse_bool, True, "use O_DIRECT (page cache bypass)"),
     "slot_mb": Setting(
@@ -272,7 +280,10 @@ SETTINGS: dict[str, Setting] = {
         "back to one unit of work in eight until it recovers (0: never)",
     ),
     "warmup.tick_ms": Setting(
-        _positive(_parse_float), 50.0, "period of the policies' on_tick event"
+        # below 1 ms an idle engine spins (1e-9 burnt a third of a core)
+        _in_range(_parse_float, 1.0),
+        50.0,
+        "period of the policies' on_tick event (at least 1)",
     ),
     "warmup.hint_port": Setting(
         _in_range(_parse_int, -1, 65535),
@@ -404,6 +415,13 @@ class TieredConfig:
                 f"{PREFIX}stripe_kb: must be a multiple of 4 (O_DIRECT alignment), "
                 f"got {stripe_kb}"
             )
+        slot_mb = values["slot_mb"]
+        if "stripe_kb" in raw and slot_mb is not None and stripe_kb > slot_mb * 1024:
+            raise ConfigError(
+                f"{PREFIX}stripe_kb: {stripe_kb} KiB is larger than a chunk slot "
+                f"({PREFIX}slot_mb: {slot_mb:g} MiB): give at most "
+                f"{int(slot_mb * 1024) // 4 * 4}, or raise {PREFIX}slot_mb"
+            )
         warm = _tier("warm", values)
         if values["cold.paths"] is not None and values["cold.adapter"] is not None:
             raise ConfigError(
@@ -417,7 +435,6 @@ class TieredConfig:
                     f"{PREFIX}cold.paths: {path} is also a warm path ({pair[0]}); "
                     "give each tier its own directories"
                 )
-        slot_mb = values["slot_mb"]
         return TieredConfig(
             warm=warm,
             cold=cold,
@@ -461,11 +478,32 @@ def _tier(name: str, values: Mapping[str, Any]) -> TierSettings:
             "(a symbolic link or bind mount); list each directory once, one per "
             "device"
         )
+    capacity_gb = values[f"{name}.capacity_gb"]
+    room = _file_system_bytes(paths)
+    if room is not None and capacity_gb * GIB > room:
+        logger.warning(
+            "%s%s.capacity_gb: %g GiB is more than the file systems under %s%s.paths "
+            "hold (%.1f GiB): the tier will fill them before it evicts; lower it",
+            PREFIX, name, capacity_gb, PREFIX, name, room / GIB,
+        )  # fmt: skip
     return TierSettings(
         name=name,
         paths=paths,
-        capacity_bytes=int(values[f"{name}.capacity_gb"] * GIB),
+        capacity_bytes=int(capacity_gb * GIB),
     )
+
+
+def _file_system_bytes(paths: Sequence[str]) -> int | None:
+    """The size of the distinct file systems under ``paths`` together (None
+    where one cannot be asked)."""
+    sizes: dict[int, int] = {}
+    try:
+        for path in paths:
+            info = os.statvfs(path)
+            sizes[os.stat(path).st_dev] = info.f_blocks * info.f_frsize
+    except OSError:
+        return None
+    return sum(sizes.values())
 
 
 def check_directory(key: str, path: str) -> None:

@@ -72,6 +72,13 @@ def test_issue_example_keys_and_comma_string(tmp_path: Path) -> None:
         ({"tiered.io_engine": "spdk"}, "tiered.io_engine: expected one of"),
         ({"tiered.direct_io": "maybe"}, "tiered.direct_io: expected true or false"),
         ({"tiered.stripe_kb": 6}, "tiered.stripe_kb: must be a multiple of 4"),
+        ({"tiered.stripe_kb": 4 << 30}, "tiered.stripe_kb: must be between 4 and"),
+        (
+            {"tiered.stripe_kb": 2048, "tiered.slot_mb": 1},
+            r"stripe_kb: 2048 KiB is larger than a chunk slot \(tiered.slot_mb: 1 "
+            r"MiB\): give at most 1024",
+        ),
+        ({"tiered.warmup.tick_ms": 1e-9}, "tiered.warmup.tick_ms: must be at least 1"),
         ({"tiered.file_mode": "rw"}, "tiered.file_mode: expected octal"),
         ({"tiered.warmup.hot_fraction": 2}, "tiered.warmup.hot_fraction: must be"),
         ({"tiered.warmup.polcy": "x"}, "Did you mean tiered.warmup.policy"),
@@ -154,3 +161,21 @@ def test_any_input_gives_a_config_or_a_config_error(extra: dict[str, object]) ->
     settings = {f"tiered.{k}": v for k, v in extra.items()}
     with contextlib.suppress(ConfigError):
         TieredConfig.from_extra_config(settings)
+
+
+def test_a_capacity_beyond_the_file_system_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = {"tiered.warm.paths": str(tmp_path), "tiered.warm.capacity_gb": 1e12}
+    with caplog.at_level("WARNING", logger="lmcache_tiered"):
+        config = TieredConfig.from_extra_config(settings)
+    assert config.warm.capacity_bytes == int(1e12 * 2**30)  # a warning, not a refusal
+    (record,) = [r for r in caplog.records if "capacity_gb" in r.getMessage()]
+    assert "tiered.warm.capacity_gb: 1e+12 GiB is more than the file systems" in (
+        record.getMessage()
+    )
+    caplog.clear()
+    settings["tiered.warm.capacity_gb"] = 0.001
+    with caplog.at_level("WARNING", logger="lmcache_tiered"):
+        TieredConfig.from_extra_config(settings)
+    assert not [r for r in caplog.records if "capacity_gb" in r.getMessage()]
