@@ -1,21 +1,30 @@
 """Measure a real server's prefill and decode rates, for a bench profile.
 
-One request at a time, each of fresh tokens (no prefix anywhere), at a few
-prompt lengths: its TTFT is the prefill of ``n`` tokens (plus the server's
-fixed cost per request), the gaps between its streamed tokens are decode
-steps of a batch of one. A least-squares fit of
+Prefill: one request at a time, each of fresh tokens (no prefix anywhere),
+at a few prompt lengths. Its TTFT is the prefill of ``n`` tokens plus the
+server's fixed cost per request, fitted as
 
     ttft(n) = fixed_s + per_token_s * n + per_pair_s * n^2 / 2
 
-gives the linear and the attention cost the bench's profile models
-(:meth:`lmcache_tiered.bench.profiles.ModelProfile.prefill_s`: a causal
-prefill of ``n`` tokens has ``n^2 / 2`` query-key pairs).
+(a causal prefill of ``n`` tokens has ``n^2 / 2`` query-key pairs: the
+linear and the attention cost of
+:meth:`lmcache_tiered.bench.profiles.ModelProfile.prefill_s`). The fit is
+least squares on *relative* error with every term non-negative: TTFTs span
+two orders of magnitude, and a free fit trades a negative per-token cost for
+the long prompts' attention (it did: -88 us per token, 179 % off at 512).
+
+Decode: the gaps between streamed tokens are decode steps; measured alone
+(a batch of one, at each prompt length) and with ``batch`` requests
+decoding together, fitted as ``step_s + per_context_token_s * ctx +
+per_sequence_s * (b - 1)`` for ``b`` sequences holding ``ctx`` tokens
+(:class:`lmcache_tiered.bench.profiles.MeasuredProfile`).
 
 May touch: the server at ``url``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,29 +38,79 @@ LENGTHS = (512, 1024, 2048, 4096, 6144, 8192)
 REPEATS = 3
 #: tokens generated per request: the decode steps measured
 DECODE_TOKENS = 33
+#: the longest request measured (tokens): the server must admit it
+LONGEST = max(LENGTHS) + DECODE_TOKENS
+#: prompt of each request of the batched decode measurement (tokens)
+BATCH_PROMPT_TOKENS = 256
 
 
-def _fresh(index: int, tokens: int) -> Request:
-    """A request whose blocks no other request has (ids from 10**6 up)."""
-    first = 10**6 + index * 64
-    blocks = tuple(range(first, first + -(-tokens // BLOCK_TOKENS)))
-    return Request(0.0, tokens, DECODE_TOKENS, blocks)
+class _FreshRequests:
+    """Requests whose blocks no other request has (ids from 10**6 up)."""
+
+    def __init__(self) -> None:
+        self.next_block = 10**6
+
+    def make(self, tokens: int, output: int, arrival: float = 0.0) -> Request:
+        count = -(-tokens // BLOCK_TOKENS)
+        first, self.next_block = self.next_block, self.next_block + count
+        return Request(arrival, tokens, output, tuple(range(first, first + count)))
 
 
-def measure(url: str, model: str, lengths: Sequence[int] = LENGTHS) -> dict[str, Any]:
-    """Per length the median TTFT and decode step; the fit of the three costs."""
+def _step_s(served: http_replay.Served) -> float:
+    return (served.finished - served.first_token) / (served.output_tokens - 1)
+
+
+def _fit(columns: Sequence[np.ndarray], measured: np.ndarray) -> np.ndarray:
+    """Coefficients, all >= 0, of ``sum(c_i * columns[i]) ~ measured`` in
+    least relative squares: the best fit over every subset of the terms whose
+    free solution is non-negative (exact non-negative least squares for a
+    handful of terms)."""
+    design = np.stack(columns, axis=1) / measured[:, None]
+    target = np.ones_like(measured)
+    terms = design.shape[1]
+    best, best_residual = np.zeros(terms), float(np.sum(target**2))
+    for size in range(1, terms + 1):
+        for subset in itertools.combinations(range(terms), size):
+            cols = list(subset)
+            coef, *_ = np.linalg.lstsq(design[:, cols], target, rcond=None)
+            if np.any(coef < 0):
+                continue
+            residual = float(np.sum((design[:, cols] @ coef - target) ** 2))
+            if residual < best_residual:
+                best = np.zeros(terms)
+                best[cols] = coef
+                best_residual = residual
+    return best
+
+
+def fit_prefill(prompt_tokens: Sequence[int], ttft_s: Sequence[float]) -> np.ndarray:
+    """``(fixed_s, per_token_s, per_pair_s)`` of the module docstring."""
+    n = np.asarray(prompt_tokens, dtype=float)
+    return _fit([np.ones_like(n), n, n * n / 2.0], np.asarray(ttft_s, dtype=float))
+
+
+def fit_decode(context_tokens: Sequence[int], step_s: Sequence[float]) -> np.ndarray:
+    """``(step_s, per_context_token_s)`` of a batch of one."""
+    ctx = np.asarray(context_tokens, dtype=float)
+    return _fit([np.ones_like(ctx), ctx], np.asarray(step_s, dtype=float))
+
+
+def measure(
+    url: str, model: str, batch: int, lengths: Sequence[int] = LENGTHS
+) -> dict[str, Any]:
+    """Per length the median TTFT and decode step; the prefill fit; the
+    decode step alone and at ``batch`` (at most the server's max-num-seqs:
+    more would queue, not batch)."""
     blocks = TokenBlocks(seed=3)
+    fresh = _FreshRequests()
     rows = []
-    index = 0
     for tokens in lengths:
         ttfts, steps = [], []
         for _ in range(REPEATS):
-            index += 1
-            (served,) = http_replay.replay(url, model, [_fresh(index, tokens)], blocks)
+            request = fresh.make(tokens, DECODE_TOKENS)
+            (served,) = http_replay.replay(url, model, [request], blocks)
             ttfts.append(served.first_token - served.sent)
-            steps.append(
-                (served.finished - served.first_token) / (served.output_tokens - 1)
-            )
+            steps.append(_step_s(served))
         rows.append(
             {
                 "prompt_tokens": tokens,
@@ -59,18 +118,32 @@ def measure(url: str, model: str, lengths: Sequence[int] = LENGTHS) -> dict[str,
                 "decode_step_s": float(np.median(steps)),
             }
         )
-    n = np.array([r["prompt_tokens"] for r in rows], dtype=float)
+    lengths_measured = [int(r["prompt_tokens"]) for r in rows]
     ttft = np.array([r["ttft_s"] for r in rows])
-    design = np.stack([np.ones_like(n), n, n * n / 2.0], axis=1)
-    (fixed, per_token, per_pair), *_ = np.linalg.lstsq(design, ttft, rcond=None)
-    fitted = design @ np.array([fixed, per_token, per_pair])
+    fixed, per_token, per_pair = fit_prefill(lengths_measured, list(ttft))
+    n = np.array(lengths_measured, dtype=float)
+    fitted = fixed + per_token * n + per_pair * n * n / 2.0
+    # a request's steps attend to its prompt and half its output, on average
+    contexts = [t + DECODE_TOKENS // 2 for t in lengths_measured]
+    step, per_context = fit_decode(contexts, [r["decode_step_s"] for r in rows])
+    together = [
+        fresh.make(BATCH_PROMPT_TOKENS, 4 * DECODE_TOKENS) for _ in range(batch)
+    ]
+    batched = http_replay.replay(url, model, together, blocks)
+    step_batch = float(np.median([_step_s(s) for s in batched]))
+    batch_context = batch * (BATCH_PROMPT_TOKENS + 2 * DECODE_TOKENS)
+    alone = step + per_context * batch_context
     return {
         "rows": rows,
         "fixed_s": float(fixed),
         "per_token_s": float(per_token),
         "per_pair_s": float(per_pair),
         "fit_worst_error": float(np.max(np.abs(fitted / ttft - 1.0))),
-        "decode_step_s": float(np.median([r["decode_step_s"] for r in rows])),
+        "decode_step_s": float(step),
+        "decode_per_context_token_s": float(per_context),
+        "decode_batch": batch,
+        "decode_batch_step_s": step_batch,
+        "decode_per_sequence_s": max(0.0, (step_batch - alone) / max(batch - 1, 1)),
     }
 
 
@@ -85,7 +158,13 @@ def describe(rates: dict[str, Any]) -> str:
         f"fit: ttft = {rates['fixed_s']:.3f} s"
         f" + {1e6 * rates['per_token_s']:.1f} us x n"
         f" + {1e9 * rates['per_pair_s']:.2f} ns x n^2/2 (worst error "
-        f"{100 * rates['fit_worst_error']:.1f} %); decode step "
-        f"{1000 * rates['decode_step_s']:.1f} ms"
+        f"{100 * rates['fit_worst_error']:.1f} %)"
+    )
+    lines.append(
+        f"decode step: {1000 * rates['decode_step_s']:.1f} ms"
+        f" + {1e6 * rates['decode_per_context_token_s']:.2f} us x context tokens"
+        f" + {1000 * rates['decode_per_sequence_s']:.2f} ms x extra sequence "
+        f"({1000 * rates['decode_batch_step_s']:.1f} ms measured with "
+        f"{rates['decode_batch']} decoding)"
     )
     return "\n".join(lines)

@@ -126,9 +126,20 @@ def add_parser(subparsers: Any) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--profile",
-        choices=list(PROFILES),
+        metavar="NAME|FILE",
         default=DEFAULT_PROFILE,
-        help=f"model and GPUs whose compute is modelled (default: {DEFAULT_PROFILE})",
+        help="model and GPUs whose compute is modelled: one of "
+        f"{', '.join(PROFILES)}, or the JSON of serve-bench --calibrate (the "
+        f"real server it measured) (default: {DEFAULT_PROFILE})",
+    )
+    model.add_argument(
+        "--kv-link",
+        type=float,
+        metavar="GBPS",
+        help="copies between LMCache's buffers and the engine's KV cache, "
+        "production GB/s (default: the profile's: PCIe for a GPU; on vLLM-CPU "
+        "LMCache's multi-process server measured about 0.12, see "
+        "docs/serve-bench.md)",
     )
     model.add_argument(
         "--kv-scale",

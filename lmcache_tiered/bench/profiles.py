@@ -65,7 +65,10 @@ with it.
 from __future__ import annotations
 
 import difflib
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 #: NVIDIA H200 SXM datasheet: dense (no sparsity) tensor-core peaks and HBM3e
 #: (141 GB of it; nvidia-smi reports 143,771 MiB, the datasheet's figure is
@@ -81,13 +84,51 @@ PCIE5_X16_BYTES_PER_S = 50e9
 #: vLLM's default share of GPU memory it may use (``gpu_memory_utilization``).
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 
+#: Copies between LMCache's buffers and a CPU server's KV cache: memcpy of
+#: 8 MiB measured 22 GB/s on one core of the 2-vCPU AMD EPYC VM (torch copy_).
+CPU_COPY_BYTES_PER_S = 22e9
+
 #: The bench engine's KV element: bf16, 2 bytes (one of K, V per element).
 BENCH_ELEMENT_BYTES = 2
 
 
+class Profile(Protocol):
+    """What the bench asks of a model on its hardware: KV bytes, vLLM's own
+    KV cache, the copy link, and the seconds of prefill and decode."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def gpu_kv_tokens(self) -> int: ...
+
+    @property
+    def pcie_bytes_per_s(self) -> float: ...
+
+    @property
+    def kv_scale(self) -> int: ...
+
+    @property
+    def request_latency_s(self) -> float:
+        """Seconds a request's first token takes beyond the engine's steps
+        (the server's HTTP and scheduling path), which no step waits on."""
+        ...
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float: ...
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
-    """One model on one GPU setup; see the module docstring for the formulas."""
+    """One model on one GPU setup, its times derived from datasheet peaks and
+    assumed efficiencies; see the module docstring for the formulas."""
 
     name: str
     #: where the numbers come from (copied into the bench's JSON)
@@ -124,6 +165,8 @@ class ModelProfile:
     #: so the default workload's working set fits this machine's memory and
     #: disk (F does not move the verdict, see the module docstring)
     kv_scale: int
+    #: not modelled for a GPU server (its HTTP path is small beside prefill)
+    request_latency_s: float = 0.0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -177,6 +220,80 @@ class ModelProfile:
         return (weights + kv) / bandwidth + self.step_overhead_s
 
 
+@dataclass(frozen=True, slots=True)
+class MeasuredProfile:
+    """A model on a machine whose rates were measured on a real server
+    (``lmcache-tiered serve-bench --calibrate``), not derived from peaks: the
+    bench then models the very server serve-bench times, and the two check
+    each other.
+
+    Prefill of ``n`` tokens after ``c`` cached ones, and a decode step of
+    ``b`` sequences holding ``ctx`` tokens of context::
+
+        prefill = per_token_s * n + per_pair_s * (n * c + n * n / 2)
+        step    = step_s + per_sequence_s * (b - 1) + per_context_token_s * ctx
+
+    and ``request_latency_s``, the fit's fixed cost per request, on each TTFT.
+    """
+
+    name: str
+    source: str
+    kv_bytes_per_token: int
+    #: vLLM's own KV cache, in tokens (on vLLM-CPU: VLLM_CPU_KVCACHE_SPACE)
+    gpu_kv_tokens: int
+    #: copies between LMCache's buffers and the server's KV cache
+    pcie_bytes_per_s: float
+    kv_scale: int
+    per_token_s: float
+    per_pair_s: float
+    step_s: float
+    per_sequence_s: float
+    per_context_token_s: float
+    request_latency_s: float
+
+    @classmethod
+    def from_calibration(cls, path: Path) -> MeasuredProfile:
+        """The profile a ``serve-bench --calibrate --json`` file measured."""
+        try:
+            rates: dict[str, Any] = json.loads(path.read_text())
+            return cls(
+                name=path.stem,
+                source=f"serve-bench --calibrate on {rates['machine']} ({path})",
+                kv_bytes_per_token=int(rates["model"]["kv_bytes_per_token"]),
+                gpu_kv_tokens=int(rates["kv_cache_tokens"]),
+                pcie_bytes_per_s=CPU_COPY_BYTES_PER_S,
+                kv_scale=1,
+                per_token_s=float(rates["per_token_s"]),
+                per_pair_s=float(rates["per_pair_s"]),
+                step_s=float(rates["decode_step_s"]),
+                per_sequence_s=float(rates["decode_per_sequence_s"]),
+                per_context_token_s=float(rates["decode_per_context_token_s"]),
+                request_latency_s=float(rates["fixed_s"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"--profile {path}: not a serve-bench --calibrate JSON ({exc!r}); "
+                "make one with lmcache-tiered serve-bench --calibrate --json FILE"
+            ) from None
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Seconds to prefill ``new_tokens`` after ``cached_tokens``."""
+        if new_tokens <= 0:
+            return 0.0
+        pairs = new_tokens * cached_tokens + new_tokens * new_tokens / 2.0
+        return self.per_token_s * new_tokens + self.per_pair_s * pairs
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """Seconds of one decode step (one token for each of ``batch``)."""
+        if batch <= 0:
+            return 0.0
+        return (
+            self.step_s
+            + self.per_sequence_s * (batch - 1)
+            + self.per_context_token_s * context_tokens
+        )
+
+
 _QWEN3_CODER_LAYERS = 62
 _QWEN3_CODER_HIDDEN = 6144
 _QWEN3_CODER_EXPERT = 3 * _QWEN3_CODER_HIDDEN * 2560 * _QWEN3_CODER_LAYERS
@@ -192,7 +309,7 @@ _QWEN3_CODER_TOTAL = (
 
 _LLAMA_8B_LAYERS = 32
 
-PROFILES: dict[str, ModelProfile] = {
+PROFILES: dict[str, Profile] = {
     profile.name: profile
     for profile in (
         ModelProfile(
@@ -272,16 +389,19 @@ PROFILES: dict[str, ModelProfile] = {
 DEFAULT_PROFILE = "qwen3-coder-480b-fp8-tp8"
 
 
-def get_profile(name: str) -> ModelProfile:
-    """The profile called ``name``; a ValueError naming the known ones if none."""
-    try:
+def get_profile(name: str) -> Profile:
+    """The profile called ``name``, or measured in the calibration JSON file
+    ``name``; a ValueError naming the known ones if neither."""
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
-        close = difflib.get_close_matches(name, PROFILES, n=1)
-        hint = f" Did you mean {close[0]}?" if close else ""
-        raise ValueError(
-            f"unknown profile {name!r}.{hint} Known: {', '.join(PROFILES)}"
-        ) from None
+    if name.endswith(".json"):
+        return MeasuredProfile.from_calibration(Path(name))
+    close = difflib.get_close_matches(name, PROFILES, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    raise ValueError(
+        f"unknown profile {name!r}.{hint} Known: {', '.join(PROFILES)}, or a "
+        "serve-bench --calibrate JSON file"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +425,7 @@ class BenchShape:
         return chunk_tokens * self.bytes_per_token
 
 
-def bench_shape(profile: ModelProfile, kv_scale: float | None = None) -> BenchShape:
+def bench_shape(profile: Profile, kv_scale: float | None = None) -> BenchShape:
     """The scaled-down layout; the factor is rounded so a row is whole elements."""
     scale = profile.kv_scale if kv_scale is None else kv_scale
     if scale < 1:

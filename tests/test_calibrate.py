@@ -1,0 +1,157 @@
+"""A real server's measured rates as a bench profile: the calibration fit
+(non-negative, relative), the profile serve-bench's JSON makes, and the
+bench's serving model charging it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_bench import bench_args, mooncake, run, write_trace
+
+from lmcache_tiered.bench import calibrate, serve_bench, servers
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.profiles import MeasuredProfile, get_profile
+from lmcache_tiered.bench.tiny_model import TinyLlama
+from lmcache_tiered.cli import main
+
+LENGTHS = [512, 1024, 2048, 4096, 6144, 8192]
+#: one request at a time on a 2-vCPU Intel Xeon VM (2026-12-02): the free
+#: three-term fit of these came out with a negative per-token cost
+INTEL_TTFT = [0.081, 0.188, 0.746, 1.444, 2.877, 5.886]
+
+
+def test_prefill_fit_recovers_known_costs() -> None:
+    n = np.array(LENGTHS, dtype=float)
+    ttft = 0.05 + 4e-4 * n + 1.5e-6 * n * n / 2
+    fixed, per_token, per_pair = calibrate.fit_prefill(LENGTHS, list(ttft))
+    assert fixed == pytest.approx(0.05, rel=1e-6)
+    assert per_token == pytest.approx(4e-4, rel=1e-6)
+    assert per_pair == pytest.approx(1.5e-6, rel=1e-6)
+
+
+def test_prefill_fit_keeps_every_cost_non_negative() -> None:
+    n = np.array(LENGTHS, dtype=float)
+    design = np.stack([np.ones_like(n), n, n * n / 2], axis=1)
+    free, *_ = np.linalg.lstsq(design, np.array(INTEL_TTFT), rcond=None)
+    assert free[1] < 0  # the fit this replaces
+    coef = calibrate.fit_prefill(LENGTHS, INTEL_TTFT)
+    assert (coef >= 0).all()
+    fitted = design @ coef
+    assert np.max(np.abs(fitted / np.array(INTEL_TTFT) - 1)) < 0.3
+
+
+def test_decode_fit_is_a_step_and_a_cost_per_context_token() -> None:
+    ctx = [500, 2000, 8000]
+    step, per_context = calibrate.fit_decode(ctx, [0.02 + 1e-5 * c for c in ctx])
+    assert step == pytest.approx(0.02) and per_context == pytest.approx(1e-5)
+
+
+def calibration(tmp_path: Path, **changes: Any) -> Path:
+    """The JSON ``serve-bench --calibrate --json`` writes (its keys)."""
+    rates = {
+        "command": "serve-bench --calibrate",
+        "machine": "2 x test CPU",
+        "model": TinyLlama().describe(),
+        "kv_cache_tokens": 32768,
+        "fixed_s": 0.25,
+        "per_token_s": 4e-4,
+        "per_pair_s": 1.5e-6,
+        "decode_step_s": 0.027,
+        "decode_per_context_token_s": 8e-6,
+        "decode_per_sequence_s": 0.0013,
+        **changes,
+    }
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(rates))
+    return path
+
+
+def test_a_calibration_file_is_a_profile(tmp_path: Path) -> None:
+    profile = get_profile(str(calibration(tmp_path)))
+    assert isinstance(profile, MeasuredProfile)
+    assert profile.kv_bytes_per_token == 32768 and profile.gpu_kv_tokens == 32768
+    assert profile.request_latency_s == 0.25
+    assert profile.prefill_s(1000, 500) == pytest.approx(
+        4e-4 * 1000 + 1.5e-6 * (1000 * 500 + 1000 * 1000 / 2)
+    )
+    assert profile.decode_step_s(3, 4000) == pytest.approx(0.027 + 2 * 0.0013 + 0.032)
+    assert profile.decode_step_s(0, 4000) == 0.0
+
+
+def test_a_broken_calibration_file_is_named_with_how_to_make_one(
+    tmp_path: Path,
+) -> None:
+    path = calibration(tmp_path)
+    path.write_text('{"per_token_s": 1}')
+    with pytest.raises(ValueError, match="serve-bench --calibrate --json") as caught:
+        get_profile(str(path))
+    assert str(path) in str(caught.value)
+    with pytest.raises(ValueError, match="or a serve-bench --calibrate JSON"):
+        get_profile("no-such-profile")
+
+
+def test_bench_charges_the_measured_rates_and_the_request_latency(
+    tmp_path: Path,
+) -> None:
+    """vLLM alone (virtual time) on one lone request: its TTFT is the
+    profile's prefill of the whole prompt plus the request latency."""
+    trace = write_trace(tmp_path / "one.jsonl", [mooncake(0, 1500, [1, 2, 3])])
+    profile_path = calibration(tmp_path)
+    args = bench_args(tmp_path, trace, "--profile", str(profile_path))
+    result = run(args, NO_EXTERNAL_CACHE)
+    (record,) = result.records
+    profile = get_profile(str(profile_path))
+    expected = profile.prefill_s(1500, 0) + profile.request_latency_s
+    assert record.first_token - record.arrival == pytest.approx(expected)
+
+
+def test_vllm_cache_size_is_a_block_count_and_whole_gib(tmp_path: Path) -> None:
+    """vLLM-CPU takes VLLM_CPU_KVCACHE_SPACE as whole GiB: a fractional size
+    is set by the block count."""
+    assert servers.vllm_env(0.5)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert servers.vllm_env(2)["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    command = servers.vllm_command(
+        tmp_path,
+        "float32",
+        port=8000,
+        max_num_seqs=4,
+        max_num_batched_tokens=2048,
+        max_model_len=9000,
+        kv_cache_tokens=16384,
+        kv_transfer=None,
+    )
+    at = command.index("--num-gpu-blocks-override")
+    assert command[at + 1] == str(16384 // servers.VLLM_BLOCK_TOKENS)
+    assert serve_bench.kv_cache_tokens(0.5, TinyLlama()) == 16384
+
+
+def test_a_vllm_cache_smaller_than_a_request_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(serve_bench, "check_environment", lambda: None)
+    assert main(["serve-bench", "--limit", "2", "--kv-cache-gb", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-gb 0.1" in err and "raise it" in err
+
+
+def test_lmcache_servers_own_copy_timings_become_rates(tmp_path: Path) -> None:
+    log = tmp_path / "lmcache.log"
+    log.write_text(
+        "[2026-12-02 03:49:20,892] LMCache INFO: Retrieved 1536 tokens in 0.250 "
+        "seconds (engine_driven_transfer.py:514)\n"
+        "noise\n"
+        "[2026-12-02 03:49:21,643] LMCache INFO: Stored 512 tokens in 0.125 seconds\n"
+        "[2026-12-02 03:49:22,643] LMCache INFO: Stored 512 tokens in 0.125 seconds\n"
+    )
+    moved = servers.lmcache_transfers(log, 1000)
+    assert moved is not None
+    assert moved["retrieved_tokens"] == 1536 and moved["stored_tokens"] == 1024
+    assert moved["retrieve_gbps"] == pytest.approx(1536 * 1000 / 0.25 / 1e9)
+    assert moved["store_gbps"] == pytest.approx(1024 * 1000 / 0.25 / 1e9)
+    log.write_text("nothing timed\n")
+    assert servers.lmcache_transfers(log, 1000) is None
+    assert servers.lmcache_transfers(tmp_path / "missing.log", 1000) is None
