@@ -74,6 +74,12 @@ logger = logging.getLogger("lmcache_tiered")
 ChangeCallback = Callable[[Sequence[StoreKey]], None]
 
 
+def tier_owner(tier: str, owner: str, settings: TieredConfig) -> str:
+    """The owner name of tier ``tier``'s files: several hosts may share the
+    cold tier, so its files are named per host."""
+    return owner if tier == "warm" else f"{owner}-{settings.host_id}"
+
+
 def load_configured_policy(settings: TieredConfig, view: CacheView) -> WarmupPolicy:
     """The policy ``tiered.warmup.policy`` names, over ``view``, with its own
     ``tiered.warmup.<name>.*`` parameters; ConfigError on a bad name, a bad
@@ -143,8 +149,7 @@ class TieredCache:
                     continue
                 tier = Tier(
                     settings.tier_options(tier_settings),
-                    # several hosts may share the cold tier: name files per host
-                    owner=owner if name == "warm" else f"{owner}-{settings.host_id}",
+                    owner=tier_owner(name, owner, settings),
                     max_payload=max_payload,
                     # the cap is for the host: each local worker gets a share
                     capacity_bytes=tier_settings.capacity_bytes // local_workers,

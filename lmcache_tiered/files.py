@@ -62,6 +62,23 @@ def try_lock(fd: int) -> bool:
     return True
 
 
+def lock_holder(fd: int) -> int | None:
+    """The process holding the ``flock`` of ``fd``'s file, from /proc/locks
+    (None where it cannot be told): named in a refusal, so the operator knows
+    which server to stop."""
+    info = os.fstat(fd)
+    file_id = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                if "FLOCK" in fields and "->" not in fields and file_id in fields:
+                    return int(fields[fields.index(file_id) - 1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def printable(text: str) -> str:
     """``text`` safe to print: backslashes and unprintable characters (escape
     sequences, bidi controls) as Python escapes; :func:`unprintable` undoes it."""

@@ -57,6 +57,7 @@ into cache calls:
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -83,12 +84,19 @@ from lmcache.v1.memory_management import (
 from lmcache.v1.platform import create_event_notifier
 
 from lmcache_tiered._lmcache import l2_memory_tags
-from lmcache_tiered.cache import EmptyView, TieredCache, load_configured_policy
+from lmcache_tiered.cache import (
+    EmptyView,
+    TieredCache,
+    load_configured_policy,
+    tier_owner,
+)
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
+from lmcache_tiered.files import open_regular
 from lmcache_tiered.l2_ledger import L2Ledger
 from lmcache_tiered.layout import TierNames, read_superblock
 from lmcache_tiered.payload import Payload
 from lmcache_tiered.tier_protocol import StorageTier
+from lmcache_tiered.tierfiles import take_lock
 from lmcache_tiered.writer import BatchWorker
 
 logger = logging.getLogger("lmcache_tiered")
@@ -235,9 +243,13 @@ class TieredL2Adapter(L2Ledger):
         self._l1_memory_desc = l1_memory_desc
         #: None until the slot size is known (see _open_cache)
         self.cache = None
+        #: the tiers' lock files, held until the tiers open (_hold_directories)
+        self._held: list[int] = []
         slot = settings.slot_bytes or recorded_slot_bytes(settings.warm.paths[0])
         if slot is not None:
             self._open_cache(slot)
+        else:
+            self._held = self._hold_directories()
         self._lock = threading.Lock()
         self._closed = False
         self._next_task_id: L2TaskId = 0
@@ -281,8 +293,36 @@ class TieredL2Adapter(L2Ledger):
         cache = self.cache
         return [] if cache is None else list(cache.tiers.values())
 
+    def _hold_directories(self) -> list[int]:
+        """Lock the tiers' lock files now, though the tiers open only at the
+        first store (when the slot size is known): a second server on these
+        directories is refused at its start, naming the holder, instead of
+        starting healthy and failing every store."""
+        held: list[int] = []
+        try:
+            for tier in (self.settings.warm, self.settings.cold):
+                if tier is None:
+                    continue
+                owner = tier_owner(tier.name, OWNER, self.settings)
+                name = TierNames(tier.paths, owner).lock
+                flags = os.O_RDWR | os.O_CREAT
+                held.append(open_regular(name, flags, self.settings.file_mode))
+                take_lock(held[-1], f"{PREFIX}{tier.name}.paths", name)
+        except BaseException:
+            self._release_directories(held)
+            raise
+        return held
+
+    @staticmethod
+    def _release_directories(held: list[int]) -> None:
+        for fd in held:
+            os.close(fd)
+        held.clear()
+
     def _open_cache(self, max_payload: int) -> None:
-        """Open the cache, its tiers with slots of ``max_payload`` bytes."""
+        """Open the cache, its tiers with slots of ``max_payload`` bytes (they
+        take over the locks :meth:`_hold_directories` held)."""
+        self._release_directories(self._held)
         cache = TieredCache(
             self.settings,
             owner=OWNER,
@@ -568,5 +608,6 @@ class TieredL2Adapter(L2Ledger):
             worker.stop()
         if self.cache is not None:
             self.cache.close()
+        self._release_directories(self._held)
         for notifier in (self._store_efd, self._lookup_efd, self._load_efd):
             notifier.close()

@@ -26,7 +26,7 @@ from lmcache_tiered.config import (
     exposure_warning,
     shared_file_systems,
 )
-from lmcache_tiered.files import NotRegularFile, open_regular, try_lock
+from lmcache_tiered.files import NotRegularFile, lock_holder, open_regular, try_lock
 from lmcache_tiered.io import IOEngine, aligned_buffer, make_engine
 from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.layout import (
@@ -106,6 +106,20 @@ def _identity(fd: int) -> tuple[int, int]:
     """(st_dev, st_ino): which file a descriptor is, however it was named."""
     info = os.fstat(fd)
     return info.st_dev, info.st_ino
+
+
+def take_lock(fd: int, setting: str, name: str, what: str = "is held") -> None:
+    """flock ``fd`` (the file ``name``, under ``setting``) for this process;
+    a ConfigError naming the holder if another process has it."""
+    if try_lock(fd):
+        return
+    holder = lock_holder(fd)
+    by = "another live process" if holder is None else f"live process {holder}"
+    raise ConfigError(
+        f"{setting}: {name} {what} by {by}; give each LMCache instance its own "
+        "directories (a directory can be reached by several names: symbolic "
+        "links, bind mounts)"
+    )
 
 
 class TierFileSet:
@@ -193,13 +207,7 @@ class TierFileSet:
 
     def _take_lock(self, fd: int, name: str, what: str) -> None:
         """flock ``fd`` for this process; ConfigError if another holds it."""
-        if not try_lock(fd):
-            raise ConfigError(
-                f"{self.options.paths_setting}: {name} {what} by another live "
-                "process; give each LMCache instance its own directories (a "
-                "directory can be reached by several names: symbolic links, bind "
-                "mounts)"
-            )
+        take_lock(fd, self.options.paths_setting, name, what)
 
     def _refuse_shared_files(self, fds: Sequence[int]) -> None:
         """ConfigError if two of the names are one file (a hard link): their

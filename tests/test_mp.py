@@ -1006,3 +1006,50 @@ def test_mp_read_gbps_smoke(tmp_path: Path) -> None:
     )
     assert cpu_s_per_gb > 0
     assert gbps > 0
+
+
+def test_a_second_adapter_on_the_same_directories_is_refused_at_start(
+    device_dirs: list[Path],
+) -> None:
+    """With no slot_mb and empty directories the tiers open only at the first
+    store; the directories are held from the start all the same, so a second
+    server is refused when it starts (naming the directory and the holder),
+    and the first keeps serving exact bytes."""
+    first = TieredL2Adapter(params(device_dirs, io_engine="threads"))
+    try:
+        assert first.tiers == []  # not open yet: the slot size is unknown
+        with pytest.raises(ConfigError) as refused:
+            TieredL2Adapter(params(device_dirs, io_engine="threads"))
+        message = str(refused.value)
+        assert message.startswith("tiered.warm.paths: ")
+        assert str(device_dirs[0]) in message
+        assert f"by live process {os.getpid()}" in message
+        caller = Caller(first)
+        src = memory_obj(seed=5)
+        assert caller.store([okey(1)], [src])  # the tiers take over the lock
+        dst = memory_obj()
+        assert caller.load([okey(1)], [dst]) == [0]
+        assert torch.equal(dst.tensor, src.tensor)
+        with pytest.raises(ConfigError, match="by live process"):
+            TieredL2Adapter(params(device_dirs, io_engine="threads"))
+    finally:
+        first.close()
+    TieredL2Adapter(params(device_dirs, io_engine="threads")).close()  # free again
+
+
+def test_servers_of_two_hosts_share_a_cold_tier_from_the_start(
+    tmp_path: Path, cold_dir: Path
+) -> None:
+    """Held early, the cold tier's lock is its host's (files named per host):
+    a second host on the same cold directory is not refused."""
+    adapters = []
+    try:
+        for host in ("host-a", "host-b"):
+            warm = tmp_path / f"warm-{host}"
+            warm.mkdir()
+            settings = {"cold.paths": [str(cold_dir)], "host_id": host}
+            adapters.append(TieredL2Adapter(params([warm], **settings)))
+        assert all(a.tiers == [] for a in adapters)  # both started, not yet open
+    finally:
+        for adapter in adapters:
+            adapter.close()

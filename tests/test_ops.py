@@ -364,7 +364,7 @@ def test_warmup_copies_listed_keys_between_tiers(
     assert [k.chunk_hash for k in warm.stored_keys()] == [100, 107, 104]
     assert read_back(warm, allocator, hot) == [True] * 3
     code, _, err = cli(capsys, *argv)  # beside the live target: refused
-    assert code == 2 and "held by another live process" in err
+    assert code == 2 and f"held by live process {os.getpid()}" in err
     warm.close()
     keys_file.write_text("\n".join(key_text(k) for k in hot))
     code, out, _ = cli(capsys, *argv)

@@ -95,7 +95,7 @@ def test_restart_recovers_index_and_order(
 
 def test_second_live_owner_is_refused(tier_factory: TierFactory) -> None:
     tier_factory()
-    with pytest.raises(ValueError, match="held by another live process"):
+    with pytest.raises(ValueError, match=f"held by live process {os.getpid()};"):
         tier_factory()
 
 
