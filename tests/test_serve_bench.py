@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from lmcache_tiered.bench import http_replay, serve_bench, servers
+from lmcache_tiered.bench import http_replay, serve_bench, serve_report, servers
 from lmcache_tiered.bench.trace import Request, TokenBlocks
 from lmcache_tiered.cli import main
 
@@ -133,13 +133,13 @@ def served(due: float, ttft: float, tokens: int = 10, lag: float = 0.0) -> Any:
 
 def test_summary_table_and_line_compare_against_vllm_alone() -> None:
     summaries = {
-        "no_external_cache": serve_bench.summarize(
+        "no_external_cache": serve_report.summarize(
             [served(0, 2.0), served(1, 4.0), served(2, 3.0)]
         ),
-        "tiered_none": serve_bench.summarize(
+        "tiered_none": serve_report.summarize(
             [served(0, 1.0), served(1, 2.0), served(2, 1.5)]
         ),
-        "lmcache_stock": serve_bench.summarize(
+        "lmcache_stock": serve_report.summarize(
             [served(0, 1.0, lag=0.5), served(1, 2.0), served(2, 1.5)]
         ),
     }
@@ -149,12 +149,12 @@ def test_summary_table_and_line_compare_against_vllm_alone() -> None:
     assert base["throughput_tps"] == pytest.approx(30 / 6.0)
     assert base["valid"] and summaries["tiered_none"]["valid"]
     assert not summaries["lmcache_stock"]["valid"]  # sent 0.5 s late of 1.5 s
-    text = serve_bench.table(summaries)
+    text = serve_report.table(summaries)
     row = next(line for line in text.splitlines() if line.startswith("tiered_none"))
     assert "1.50s" in row and "-50%" in row
     stock = next(line for line in text.splitlines() if line.startswith("lmcache_st"))
     assert "not valid" in stock
-    line = serve_bench.summary_line(summaries)
+    line = serve_report.summary_line(summaries)
     assert line is not None
     assert "tiered_none TTFT p50 1.50s vs 3.00s no_external_cache (-50%)" in line
     assert "lmcache_stock 1.50s (-50%)" in line and "(not valid)" in line

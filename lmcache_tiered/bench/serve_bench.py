@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,32 +28,27 @@ from typing import Any
 
 from rich.progress import Progress
 
-from lmcache_tiered.bench import calibrate, http_replay, plot, servers, trace
-from lmcache_tiered.bench.report import (
-    delta,
-    numbers_table,
-    percentile,
-    render,
-    write_json,
-)
+from lmcache_tiered.bench import calibrate, http_replay, servers, trace
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.report import write_json
 from lmcache_tiered.bench.scenario import (
     CHUNK_TOKENS,
     add_workload_arguments,
     load_requests,
 )
+from lmcache_tiered.bench.serve_report import (
+    LMCACHE_STOCK,
+    TIERED,
+    VLLM_OFFLOAD,
+    describe,
+    report,
+    summarize,
+)
 from lmcache_tiered.bench.tiny_model import TinyLlama
 
-NO_EXTERNAL_CACHE = "no_external_cache"
-LMCACHE_STOCK = "lmcache_stock"
-VLLM_OFFLOAD = "vllm_offload"
-#: a tiered variant is ``tiered_<policy>``
-TIERED = "tiered"
 DEFAULT_VARIANTS = (NO_EXTERNAL_CACHE, LMCACHE_STOCK, TIERED, VLLM_OFFLOAD)
 DEFAULT_VARIANTS_TEXT = ",".join(DEFAULT_VARIANTS)
 DEFAULT_WORKLOAD = "agent-cpu"
-#: A run whose client sent a request later than this share of the TTFT p50
-#: measured the client, not the server: not compared.
-VALID_LAG_SHARE = 0.05
 #: default L1: this many times what the requests in flight hold
 L1_IN_FLIGHT = 1.5
 #: vLLM 0.32's max_num_batched_tokens for its OpenAI server on a CPU platform
@@ -327,99 +322,6 @@ def lmcache_log(setup: ServeSetup, name: str) -> Path:
     return setup.logs / f"{name}-lmcache.log"
 
 
-def summarize(served: Sequence[http_replay.Served]) -> dict[str, Any]:
-    """A variant's figures from what the client saw."""
-    ttft = [s.first_token - s.due for s in served]
-    lag = max(s.sent - s.due for s in served)
-    start = min(s.due for s in served)
-    makespan = max(s.finished for s in served) - start
-    p50 = percentile(ttft, 50)
-    prompt = sum(s.input_length for s in served)
-    return {
-        "requests": len(served),
-        "ttft_p50_s": p50,
-        "ttft_p90_s": percentile(ttft, 90),
-        "ttft_p99_s": percentile(ttft, 99),
-        "ttft_mean_s": sum(ttft) / len(ttft),
-        "throughput_rps": len(served) / makespan,
-        "throughput_tps": sum(s.output_tokens for s in served) / makespan,
-        "makespan_s": makespan,
-        "cached_share": sum(s.cached_tokens for s in served) / prompt,
-        "lag_max_s": lag,
-        "lag_share": lag / max(p50, 1e-9),
-        "valid": lag <= VALID_LAG_SHARE * p50,
-    }
-
-
-def table(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    base = summaries.get(NO_EXTERNAL_CACHE)
-    out = numbers_table(
-        "variant",
-        "TTFT p50",
-        "p90",
-        "p99",
-        "mean",
-        "req/s",
-        "tok/s",
-        "cached",
-        "send lag",
-        f"dTTFT50 vs {NO_EXTERNAL_CACHE}",
-        f"dtok/s vs {NO_EXTERNAL_CACHE}",
-    )
-    for name, s in summaries.items():
-        usable = base is not None and base["valid"] and name != NO_EXTERNAL_CACHE
-        if not s["valid"]:
-            changes = ["not valid", "not valid"]
-        elif usable:
-            assert base is not None
-            changes = [
-                delta(s["ttft_p50_s"], base["ttft_p50_s"]),
-                delta(s["throughput_tps"], base["throughput_tps"]),
-            ]
-        else:
-            changes = ["-", "-"]
-        out.add_row(
-            name,
-            f"{s['ttft_p50_s']:.2f}s",
-            f"{s['ttft_p90_s']:.2f}s",
-            f"{s['ttft_p99_s']:.2f}s",
-            f"{s['ttft_mean_s']:.2f}s",
-            f"{s['throughput_rps']:.2f}",
-            f"{s['throughput_tps']:.1f}",
-            f"{100 * s['cached_share']:.0f}%",
-            f"{s['lag_max_s']:.2f}s",
-            *changes,
-        )
-    return render(out)
-
-
-def summary_line(summaries: Mapping[str, Mapping[str, Any]]) -> str | None:
-    """The best valid tiered variant against vLLM alone and the stock one."""
-    base = summaries.get(NO_EXTERNAL_CACHE)
-    tiered = [n for n, s in summaries.items() if n.startswith(TIERED) and s["valid"]]
-    if base is None or not base["valid"] or not tiered:
-        return None
-    best = min(tiered, key=lambda n: summaries[n]["ttft_p50_s"])
-    s = summaries[best]
-    parts = [
-        f"summary (real servers): {best} TTFT p50 {s['ttft_p50_s']:.2f}s vs "
-        f"{base['ttft_p50_s']:.2f}s {NO_EXTERNAL_CACHE} "
-        f"({delta(s['ttft_p50_s'], base['ttft_p50_s'])}), "
-        f"{s['throughput_tps']:.1f} vs {base['throughput_tps']:.1f} tok/s "
-        f"({delta(s['throughput_tps'], base['throughput_tps'])})"
-    ]
-    for other in (LMCACHE_STOCK, VLLM_OFFLOAD):
-        if other in summaries:
-            o = summaries[other]
-            parts.append(
-                f"{other} {o['ttft_p50_s']:.2f}s "
-                f"({delta(o['ttft_p50_s'], base['ttft_p50_s'])}), "
-                f"{o['throughput_tps']:.1f} tok/s"
-                + ("" if o["valid"] else " (not valid)")
-            )
-    return "; ".join(parts) + "."
-
-
 def _lmcache_status(url: str | None) -> Any:
     if url is None:
         return None
@@ -591,91 +493,3 @@ def _warm_dirs(option: str | None, scratch: Path) -> tuple[Path, ...]:
         if not d.is_dir():
             raise UsageError(f"--warm: {d} is not a directory")
     return dirs
-
-
-def describe(
-    setup: ServeSetup, requests: Sequence[trace.Request], args: argparse.Namespace
-) -> str:
-    m = setup.model
-    return "\n".join(
-        [
-            f"workload: {args.trace or args.workload}, {len(requests)} requests, "
-            f"{sum(r.input_length for r in requests):,} prompt tokens "
-            f"({trace.unique_tokens(requests):,} distinct), prefix reuse "
-            f"{trace.prefix_reuse(requests):.2f}",
-            f"model: random-weight Llama, {m.num_hidden_layers} layers, hidden "
-            f"{m.hidden_size}, {m.num_key_value_heads} KV heads x {m.head_dim}, "
-            f"{m.torch_dtype}: "
-            f"{m.kv_bytes_per_token:,} KV bytes/token",
-            f"servers: vLLM max-num-seqs {setup.concurrency}, max-num-batched-"
-            f"tokens {setup.token_budget}, KV cache "
-            f"{setup.kv_cache_gb:g} GiB "
-            f"({setup.kv_cache_tokens:,} tokens); "
-            f"LMCache L1 {setup.l1_gb:g} GiB; drives: "
-            + ", ".join(str(w) for w in setup.warm),
-        ]
-    )
-
-
-def report(
-    summaries: Mapping[str, dict[str, Any]],
-    setup: ServeSetup,
-    requests: Sequence[trace.Request],
-    args: argparse.Namespace,
-) -> None:
-    if not summaries:
-        print("serve-bench: no variant ran")
-        return
-    print()
-    print(table(summaries))
-    line = summary_line(summaries)
-    if line:
-        print(line)
-    for name, s in summaries.items():
-        if not s["valid"]:
-            print(
-                f"{name}: not valid: the client sent a request {s['lag_max_s']:.2f}s "
-                "late; run on an idle machine"
-            )
-        moved = s.get("lmcache_transfers")
-        if moved and moved["retrieve_gbps"] and moved["store_gbps"]:
-            print(
-                f"{name}: lmcache server copied KV into vLLM at "
-                f"{moved['retrieve_gbps']:.3f} GB/s and out of it at "
-                f"{moved['store_gbps']:.3f} GB/s (its own timings; bench --kv-link)"
-            )
-    if args.json:
-        document = {
-            "command": "serve-bench",
-            "config": {
-                "model": setup.model.describe(),
-                "workload": args.trace or args.workload,
-                "requests": len(requests),
-                "warm": [str(w) for w in setup.warm],
-                "concurrency": setup.concurrency,
-                "token_budget": setup.token_budget,
-                "kv_cache_gb": setup.kv_cache_gb,
-                "l1_gb": setup.l1_gb,
-                "warm_gb": setup.warm_gb,
-            },
-            "variants": summaries,
-        }
-        write_json(args.json, document)
-    if args.plot != "none":
-        ttft_values = {
-            name: [s.first_token - s.due for s in _records(summary)]
-            for name, summary in summaries.items()
-        }
-        plot.draw_run(
-            args.plot,
-            ttft_values,
-            summaries,
-            f"serve-bench, real servers: {describe(setup, requests, args)}",
-            NO_EXTERNAL_CACHE,
-            LMCACHE_STOCK,
-        )
-        print(f"picture: {args.plot}")
-
-
-def _records(summary: Mapping[str, Any]) -> list[http_replay.Served]:
-    return [http_replay.Served(**r) for r in summary["records"]]
