@@ -30,6 +30,7 @@ from lmcache_tiered.io import (
     aligned_buffer,
     make_engine,
     probe,
+    provisional,
     uring,
 )
 from lmcache_tiered.io import ring as ring_abi
@@ -546,3 +547,80 @@ def test_auto_falls_back_when_the_ring_fails_in_this_process(
     assert "the probe passed, but here io_uring: ENOMEM" in caplog.text
     with pytest.raises(RuntimeError, match="ENOMEM"):
         make_engine("uring", files, 4)
+
+
+def _round_trip(engine: IOEngine, seed: int) -> bool:
+    """Write one stripe unit to each file through ``engine``, read it back."""
+    data = [random.Random(seed + i).randbytes(ALIGN) for i in range(3)]
+    out, back = aligned_buffer(3 * ALIGN), aligned_buffer(3 * ALIGN)
+    for i, chunk in enumerate(data):
+        out[i * ALIGN : (i + 1) * ALIGN] = chunk
+    offset = seed * ALIGN
+    units = range(3)
+    writes = [IORequest(i, offset, out[i * ALIGN : (i + 1) * ALIGN]) for i in units]
+    reads = [IORequest(i, offset, back[i * ALIGN : (i + 1) * ALIGN]) for i in units]
+    return (
+        engine.write(writes) == [ALIGN] * 3
+        and engine.read(reads) == [ALIGN] * 3
+        and bytes(back) == b"".join(data)
+    )
+
+
+@pytest.fixture
+def slow_probe(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Replace the probe child with ``script``; the tier waits 0.3 s for it."""
+    monkeypatch.setattr(provisional, "START_WAIT_S", 0.3)
+    monkeypatch.setattr(io_pkg, "_fallback_reported", False)
+
+    def use(script: str) -> None:
+        monkeypatch.setattr(probe, "PROBE_COMMAND", (sys.executable, "-c", script))
+        probe.forget_verdict()
+
+    yield use
+    probe.forget_verdict()
+
+
+def test_a_hung_probe_does_not_hold_the_engine_back(
+    files: list[int],
+    slow_probe: Callable[[str], None],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A probe child that hangs until its timeout: the engine starts at once
+    on threads, serves exact bytes, and stays on threads with one ERROR."""
+    monkeypatch.setattr(probe, "PROBE_TIMEOUT_S", 2.0)
+    slow_probe("import time; time.sleep(60)")
+    caplog.set_level(logging.INFO, logger="lmcache_tiered")
+    started = time.monotonic()
+    with make_engine("auto", files, 4) as engine:
+        assert time.monotonic() - started < 1.5
+        assert isinstance(engine, provisional.ProvisionalEngine)
+        assert engine.name == "threads"
+        assert _round_trip(engine, 1)
+        assert probe.verdict_ready(10.0)  # the child's timeout passed
+        assert not engine.switched.wait(1.0)
+        assert engine.name == "threads" and _round_trip(engine, 2)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "hung" in errors[0]
+
+
+def test_a_slow_probe_hands_over_to_io_uring_without_losing_a_byte(
+    files: list[int], slow_probe: Callable[[str], None]
+) -> None:
+    """A probe child that passes after 1.5 s: threads first, then io_uring;
+    what was written before the switch reads back exact after it."""
+    slow_probe(
+        f"import runpy, time; time.sleep(1.5); "
+        f"runpy.run_path({ring_abi.__file__!r}, run_name='__main__')"
+    )
+    with make_engine("auto", files, 4) as engine:
+        assert isinstance(engine, provisional.ProvisionalEngine)
+        assert engine.name == "threads" and _round_trip(engine, 3)
+        before = [aligned_buffer(ALIGN) for _ in range(3)]
+        assert engine.switched.wait(30.0)
+        assert isinstance(engine.current, UringEngine) and engine.name == "uring"
+        reads = [IORequest(i, 3 * ALIGN, before[i]) for i in range(3)]
+        assert engine.read(reads) == [ALIGN] * 3
+        expected = [random.Random(3 + i).randbytes(ALIGN) for i in range(3)]
+        assert [bytes(b) for b in before] == expected
+        assert _round_trip(engine, 4)

@@ -10,7 +10,7 @@ import logging
 import mmap
 from collections.abc import Sequence
 
-from lmcache_tiered.io import probe, ring
+from lmcache_tiered.io import probe, provisional, ring
 from lmcache_tiered.io.base import ALIGN, IOEngine, IORequest
 from lmcache_tiered.io.threads import ThreadEngine
 
@@ -48,12 +48,27 @@ def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
 
     "auto" takes io_uring when the child-process probe
     (:func:`lmcache_tiered.io.probe.uring_verdict`) proved a real ring works
-    here, else the thread pool; "uring" insists and fails loudly otherwise.
+    here, else the thread pool; with no verdict within
+    :data:`~lmcache_tiered.io.provisional.START_WAIT_S`, the thread pool
+    until there is one (:class:`~lmcache_tiered.io.provisional.ProvisionalEngine`).
+    "uring" insists, waits and fails loudly otherwise.
     """
     if kind not in ENGINE_KINDS:
         raise ValueError(f"io engine must be one of {ENGINE_KINDS}, got {kind!r}")
     if kind == "threads":
         why = "chosen by tiered.io_engine"
+    elif kind == "auto" and not probe.verdict_ready(provisional.START_WAIT_S):
+        logger.info(
+            "I/O engine: threads until the io_uring probe answers (none after "
+            "%.0f s): io_uring then takes over",
+            provisional.START_WAIT_S,
+        )
+        return provisional.ProvisionalEngine(
+            fds,
+            queue_depth,
+            lambda: _uring_engine(fds, queue_depth),
+            _report_fallback,
+        )
     else:
         engine, reason = _uring_engine(fds, queue_depth)
         if engine is not None:

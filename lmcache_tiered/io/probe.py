@@ -40,8 +40,13 @@ _SIGNAL_CAUSES = {
     signal.SIGBUS: "a memory fault in the io_uring self-test (please report it)",
 }
 
-_lock = threading.Lock()
+#: one probe child at a time
+_run_lock = threading.Lock()
+#: guards the verdict and the pending thread (never held across the probe)
+_state_lock = threading.Lock()
 _verdict: tuple[bool, str] | None = None
+#: the thread running the probe for :func:`verdict_ready`, if any
+_pending: threading.Thread | None = None
 
 
 def run_probe(command: Sequence[str] | None = None) -> tuple[bool, str]:
@@ -85,14 +90,34 @@ def run_probe(command: Sequence[str] | None = None) -> tuple[bool, str]:
 def uring_verdict() -> tuple[bool, str]:
     """:func:`run_probe` with the real self-test, once per process."""
     global _verdict
-    with _lock:
+    with _run_lock:
         if _verdict is None:
-            _verdict = run_probe()
+            verdict = run_probe()
+            with _state_lock:
+                _verdict = verdict
         return _verdict
+
+
+def verdict_ready(timeout: float) -> bool:
+    """Whether :func:`uring_verdict` has answered within ``timeout`` seconds
+    (it runs on a thread of its own, so a hung child holds back no caller
+    that does not ask for the verdict itself)."""
+    global _pending
+    with _state_lock:
+        if _verdict is not None:
+            return True
+        if _pending is None or not _pending.is_alive():
+            _pending = threading.Thread(
+                target=uring_verdict, name="lmcache-tiered-probe-child", daemon=True
+            )
+            _pending.start()
+        pending = _pending
+    pending.join(timeout)
+    return not pending.is_alive()
 
 
 def forget_verdict() -> None:
     """Drop the cached verdict (tests; a host whose policy changed)."""
     global _verdict
-    with _lock:
+    with _run_lock, _state_lock:
         _verdict = None
