@@ -176,6 +176,12 @@ def report(
                 f"{moved['retrieve_gbps']:.3f} GB/s and out of it at "
                 f"{moved['store_gbps']:.3f} GB/s (its own timings; bench --kv-link)"
             )
+        if moved and moved["prefetches"]:
+            print(
+                f"{name}: lmcache server's {moved['prefetches']} prefetches took "
+                f"{moved['prefetch_ms_p50']:.0f} ms at the median, "
+                f"{moved['prefetch_ms_max']:.0f} ms at most"
+            )
     if args.json:
         document = {
             "command": "serve-bench",

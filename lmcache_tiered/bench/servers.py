@@ -196,16 +196,17 @@ def lmcache_server_command(
 
 
 #: LMCache's multi-process server logs each copy between vLLM's KV cache and
-#: its L1 (engine_driven_transfer.py, 0.5.6 and 0.5.7rc2)
+#: its L1 (engine_driven_transfer.py) and each finished prefetch from L2
+#: (storage_manager.py), 0.5.6 and 0.5.7rc2
 _TRANSFER_LINE = re.compile(r"(Retrieved|Stored) (\d+) tokens in ([\d.]+) seconds")
+_PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\).* in ([\d.]+) ms")
 
 
-def lmcache_transfers(
-    log: Path, kv_bytes_per_token: int
-) -> dict[str, float | None] | None:
-    """The KV copies ``lmcache server`` timed itself (its log's "Retrieved
-    N tokens in S seconds" and "Stored ..."), as rates: what bench's
-    ``--kv-link`` models. None where the log has none."""
+def lmcache_transfers(log: Path, kv_bytes_per_token: int) -> dict[str, Any] | None:
+    """What ``lmcache server`` timed itself: its KV copies (the log's
+    "Retrieved N tokens in S seconds" and "Stored ..."), as rates, which
+    bench's ``--kv-link`` models, and its prefetches' times (a stall shows
+    there first). None where the log has none."""
     tokens = {"Retrieved": 0, "Stored": 0}
     seconds = {"Retrieved": 0.0, "Stored": 0.0}
     try:
@@ -215,7 +216,8 @@ def lmcache_transfers(
     for match in _TRANSFER_LINE.finditer(text):
         tokens[match[1]] += int(match[2])
         seconds[match[1]] += float(match[3])
-    if not any(tokens.values()):
+    prefetch_ms = sorted(float(m[1]) for m in _PREFETCH_LINE.finditer(text))
+    if not any(tokens.values()) and not prefetch_ms:
         return None
 
     def gbps(kind: str) -> float | None:
@@ -230,6 +232,9 @@ def lmcache_transfers(
         "stored_tokens": tokens["Stored"],
         "store_s": seconds["Stored"],
         "store_gbps": gbps("Stored"),
+        "prefetches": len(prefetch_ms),
+        "prefetch_ms_p50": prefetch_ms[len(prefetch_ms) // 2] if prefetch_ms else None,
+        "prefetch_ms_max": prefetch_ms[-1] if prefetch_ms else None,
     }
 
 
