@@ -74,21 +74,22 @@ class ProvisionalEngine(IOEngine):
             )
             return
         with self._lock:
-            if self._closed:
-                old = engine
-            else:
+            closed = self._closed
+            if not closed:
                 if self._regions:
                     engine.register_buffers(self._regions)
                 old, self._engine = self._engine, engine
                 self.name = engine.name
-        old.close()  # waits for what it holds; new batches go to the new one
-        if old is not engine:
-            logger.info(
-                "I/O engine: uring from now on, after %.1f s on threads (%s)",
-                waited,
-                reason,
-            )
-            self.switched.set()
+        if closed:  # the tier closed while the probe ran
+            engine.close()
+            return
+        old.close()  # waits for what it holds; new batches go to io_uring
+        logger.info(
+            "I/O engine: uring from now on, after %.1f s on threads (%s)",
+            waited,
+            reason,
+        )
+        self.switched.set()
 
     def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
         # under the lock: the switch never closes an engine a batch is entering
