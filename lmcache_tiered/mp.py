@@ -91,12 +91,11 @@ from lmcache_tiered.cache import (
     tier_owner,
 )
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
-from lmcache_tiered.files import open_regular
 from lmcache_tiered.l2_ledger import L2Ledger
 from lmcache_tiered.layout import TierNames, read_superblock
 from lmcache_tiered.payload import Payload
 from lmcache_tiered.tier_protocol import StorageTier
-from lmcache_tiered.tierfiles import take_lock
+from lmcache_tiered.tierfiles import open_tier_file, take_lock
 from lmcache_tiered.writer import BatchWorker
 
 logger = logging.getLogger("lmcache_tiered")
@@ -305,9 +304,12 @@ class TieredL2Adapter(L2Ledger):
                     continue
                 owner = tier_owner(tier.name, OWNER, self.settings)
                 name = TierNames(tier.paths, owner).lock
+                setting = f"{PREFIX}{tier.name}.paths"
                 flags = os.O_RDWR | os.O_CREAT
-                held.append(open_regular(name, flags, self.settings.file_mode))
-                take_lock(held[-1], f"{PREFIX}{tier.name}.paths", name)
+                held.append(
+                    open_tier_file(name, flags, self.settings.file_mode, setting)
+                )
+                take_lock(held[-1], setting, name)
         except BaseException:
             self._release_directories(held)
             raise

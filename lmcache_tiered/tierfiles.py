@@ -108,6 +108,25 @@ def _identity(fd: int) -> tuple[int, int]:
     return info.st_dev, info.st_ino
 
 
+def open_tier_file(name: str, flags: int, mode: int, setting: str) -> int:
+    """Open ``name`` as a tier file: a regular file only, never through a
+    symbolic link (:func:`~lmcache_tiered.files.open_regular`); a ConfigError
+    naming ``setting`` and the fix otherwise."""
+    try:
+        return open_regular(name, flags, mode)
+    except NotRegularFile as exc:
+        raise ConfigError(
+            f"{setting}: {exc}; tier files are only regular files: remove it"
+        ) from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ConfigError(
+            f"{setting}: {name} is a symbolic link; tier files are never "
+            "opened through links: remove it"
+        ) from None
+
+
 def take_lock(fd: int, setting: str, name: str, what: str = "is held") -> None:
     """flock ``fd`` (the file ``name``, under ``setting``) for this process;
     a ConfigError naming the holder if another process has it."""
@@ -226,20 +245,9 @@ class TierFileSet:
         configured mode whatever the umask or an earlier run left; O_DIRECT
         for a data file if configured."""
         flags = os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT
-        setting = self.options.paths_setting
-        try:
-            fd = open_regular(name, flags, self.options.file_mode)
-        except NotRegularFile as exc:
-            raise ConfigError(
-                f"{setting}: {exc}; tier files are only regular files: remove it"
-            ) from None
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            raise ConfigError(
-                f"{setting}: {name} is a symbolic link; tier files are never "
-                "opened through links: remove it"
-            ) from None
+        fd = open_tier_file(
+            name, flags, self.options.file_mode, self.options.paths_setting
+        )
         try:
             if data:
                 self._set_direct(fd, name)

@@ -396,11 +396,11 @@ def run_command(args: argparse.Namespace) -> int:
         model = TinyLlama.for_this_cpu()
         longest = max(r.input_length + r.output_length for r in requests)
         max_model_len = max(longest, calibrate.LONGEST) + CHUNK_TOKENS
-        if kv_cache_tokens(args.kv_cache_gb, model) < max_model_len:
+        holds = kv_cache_tokens(args.kv_cache_gb, model)
+        if holds < max_model_len:
             raise UsageError(
-                f"--kv-cache-gb {args.kv_cache_gb:g}: holds "
-                f"{kv_cache_tokens(args.kv_cache_gb, model):,} tokens of this model, "
-                f"fewer than one request may need ({max_model_len:,}); raise it"
+                f"--kv-cache-gb {args.kv_cache_gb:g}: holds {holds:,} tokens of this "
+                f"model, fewer than one request may need ({max_model_len:,}); raise it"
             )
     except (UsageError, trace.TraceError, OSError) as exc:
         print(f"serve-bench: {exc}", file=sys.stderr)
