@@ -45,6 +45,7 @@ __all__ = [
     "PinMonitor",
     "RUST_RAW_BLOCK_EXTENSION",
     "StorageManager",
+    "before_cpu_pool_frees",
     "build_l2_adapter",
     "cpu_pool_buffer",
     "cpu_pool_bytes",
@@ -209,6 +210,26 @@ def cpu_pool_bytes(hot: Any) -> int:
         return int(hot.memory_allocator.size)
     except (AttributeError, TypeError):
         return 0
+
+
+def before_cpu_pool_frees(hot: Any, callback: Callable[[], None]) -> None:
+    """Call ``callback`` just before LMCache frees its CPU tier's memory (its
+    ``memory_allocator.close``, wrapped on the instance). LMCache's
+    StorageManager closes LocalCPUBackend, which frees the arena, before any
+    plugin, while our writer may still be reading queued MemoryObjs in it (a
+    SIGSEGV at engine destroy); LMCache has no hook for it."""
+    allocator: Any = getattr(hot, "memory_allocator", None)
+    close = getattr(allocator, "close", None)
+    if not callable(close):
+        raise _unsupported("LocalCPUBackend.memory_allocator.close")
+
+    def close_after_callback() -> None:
+        try:
+            callback()
+        finally:
+            close()
+
+    allocator.close = close_after_callback
 
 
 class _WatchedObj(TensorMemoryObj):

@@ -36,7 +36,11 @@ from lmcache.v1.storage_backend.abstract_backend import (
 )
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from lmcache_tiered._lmcache import ChunkedTokenDatabase, cpu_pool_buffer
+from lmcache_tiered._lmcache import (
+    ChunkedTokenDatabase,
+    before_cpu_pool_frees,
+    cpu_pool_buffer,
+)
 from lmcache_tiered.cache import PutCallback, TieredCache
 from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.metrics import WarmupStats, collector
@@ -125,6 +129,9 @@ class TieredBackend(StoragePluginInterface):
         self._closed = False
         owner = "scheduler" if metadata is None else f"w{metadata.worker_id}"
         self._metrics_label = collector().add_source(owner, self.metrics_snapshot)
+        if self.cache is not None:
+            # LMCache frees its CPU tier before it closes plugins: close first
+            before_cpu_pool_frees(local_cpu_backend, self.close)
         self._log_ready()
 
     def _open_cache(
@@ -334,7 +341,10 @@ class TieredBackend(StoragePluginInterface):
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
-        """Write every queued put, then release everything (idempotent)."""
+        """Write the queued puts (within the writer's bound), then release
+        everything (idempotent). Runs when LMCache closes its CPU tier, whose
+        memory the queued puts and the promoter's pins are in, whatever order
+        LMCache closes its backends in."""
         if self._closed:
             return
         self._closed = True

@@ -12,7 +12,9 @@ as soon as the put call returns), or copies a buffer its owner may reuse at
 once; it drops puts past :data:`MAX_QUEUED_BYTES`, knows which keys are still
 pending, runs each put's callback once the store function stored it, and
 writes what is still queued when the interpreter exits (see
-:func:`_flush_at_exit`).
+:func:`_flush_at_exit`). Its close is bounded: what is not written within
+:data:`EXIT_FLUSH_S` is dropped, so nothing reads LMCache's memory after
+close returns (LMCache frees its CPU tier right after).
 
 May touch: the objects it is handed (references, bytes) and the store
 function it is given; never a tier, the policy or LMCache's CPU tier.
@@ -43,7 +45,8 @@ PutCallback = Callable[[StoreKey], None]
 #: Most bytes of puts waiting for the writer; beyond it puts are dropped so the
 #: CPU tier, whose buffers the queued puts hold, never fills up behind them.
 MAX_QUEUED_BYTES = 2 << 30
-#: Longest an exiting interpreter waits for the puts still queued (seconds)
+#: Longest close, or an exiting interpreter, waits for the puts still queued
+#: (seconds)
 EXIT_FLUSH_S = 30.0
 
 _Job = TypeVar("_Job")
@@ -130,7 +133,11 @@ class Writer:
         self._pending: dict[bytes, int] = {}
         self._queued_bytes = 0
         self._closed = False
-        #: puts refused because MAX_QUEUED_BYTES were already queued
+        #: set by a close that timed out: what is still queued is released
+        #: unwritten
+        self._dropping = False
+        #: puts refused because MAX_QUEUED_BYTES were already queued, or still
+        #: queued when a close timed out
         self.puts_dropped = 0
         self._worker = BatchWorker[_Batch](name, self._write)
         _flush_at_exit(self)
@@ -180,6 +187,11 @@ class Writer:
         return key_digest(key) in self._pending
 
     def _write(self, batches: list[_Batch]) -> None:
+        if self._dropping:
+            with self._lock:
+                self.puts_dropped += sum(len(b.payloads) for b in batches)
+            self._release(batches)
+            return
         try:
             done = iter(self._store([p for b in batches for p in b.payloads]))
             for batch in batches:
@@ -225,12 +237,25 @@ class Writer:
             )
 
     def close(self) -> None:
-        """Write every queued put, then stop the thread (idempotent)."""
+        """Write the queued puts for at most ``EXIT_FLUSH_S``, drop the rest
+        (counted, one WARNING), then stop the thread (idempotent). When it
+        returns no queued object is referenced or read any more."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        timed_out = not self._worker.flush(EXIT_FLUSH_S)
+        dropped_before = self.puts_dropped
+        # the batch being written is finished; what is behind it is released
+        self._dropping = timed_out
         self._worker.stop()
+        if timed_out:
+            logger.warning(
+                "lmcache_tiered: closing, %d puts still queued after %.3g s: "
+                "dropped (a slow or stalled drive?)",
+                self.puts_dropped - dropped_before,
+                EXIT_FLUSH_S,
+            )
 
 
 def _flush_at_exit(writer: Writer) -> None:

@@ -1,5 +1,6 @@
 """Puts still queued when the interpreter exits are written (vLLM 0.32 never
-shuts LMCache down, so TieredCache.close() never runs there).
+shuts LMCache down, so TieredCache.close() never runs there), and a close
+waits for them only so long.
 
 Each child process queues puts and returns from its main module without
 close() or flush(), with a non-daemon thread that never ends, as LMCache's
@@ -10,15 +11,24 @@ it has logged, then reopens the tier in this process.
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
+from lmcache.v1.memory_management import MemoryFormat
 
+from lmcache_tiered import writer as writer_module
+from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.payload import Payload
 from lmcache_tiered.tier import Tier
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
@@ -110,3 +120,51 @@ def test_exit_wait_is_bounded_and_says_what_is_lost(tmp_path: Path) -> None:
     log = run_child(path, "stuck", "still queued after 1 s: lost")
     assert f"at exit, {CHUNKS} puts still queued" in log
     assert time.monotonic() - started < 30
+
+
+def test_close_writes_what_it_can_in_time_and_releases_the_rest(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A close on a slow drive: the batch being written is finished, what is
+    queued behind it is dropped (counted, one WARNING) and its objects are
+    released before close returns, since LMCache frees their memory next."""
+    monkeypatch.setattr(writer_module, "EXIT_FLUSH_S", 0.2)
+    config = TieredConfig.from_extra_config(
+        {"tiered.warm.paths": [str(tmp_path)], "tiered.warmup.policy": "none"}
+    )
+    cache = TieredCache(
+        config, owner="kv-w0", max_payload=SHAPE.numel() * 2, local_workers=1, hot=None
+    )
+    writing = threading.Event()
+    store = cache.store
+
+    def slow_store(payloads: list[Payload]) -> list[bool]:
+        writing.set()
+        time.sleep(1.0)
+        return store(payloads)
+
+    cache.store = slow_store  # type: ignore[method-assign]
+    allocator = MixedMemoryAllocator(16 << 20)
+    keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(8)]
+    objs = [
+        allocator.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_2LTD) for _ in keys
+    ]
+    cache.put(keys[:4], objs[:4])
+    assert writing.wait(10)
+    cache.put(keys[4:], objs[4:])  # queued behind the slow batch
+    assert [o.get_ref_count() for o in objs] == [2] * 8  # ours + the writer's
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
+        cache.close()
+    assert [o.get_ref_count() for o in objs] == [1] * 8
+    for obj in objs:
+        obj.ref_count_down()
+    assert cache.writer.puts_dropped == 4
+    dropped = [r for r in caplog.records if "still queued" in r.getMessage()]
+    assert len(dropped) == 1 and "closing, 4 puts" in dropped[0].getMessage()
+    tier = open_tier(tmp_path)
+    try:
+        assert sorted(k.chunk_hash for k in tier.stored_keys()) == [0, 1, 2, 3]
+    finally:
+        tier.close()

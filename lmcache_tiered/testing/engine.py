@@ -10,8 +10,9 @@ Facts this module relies on (paths under ``site-packages/lmcache/`` in 0.5.6;
 Lifecycle. ``LMCacheEngineBuilder`` caches engines by instance id
 (``v1/cache_engine.py:2122``); ``destroy`` (2181) closes the stats logger and the
 StorageManager (backends in dict order, then stops and joins its loop thread).
-:func:`destroy_engine` also closes the CPU tier last (closing it frees the
-arena other tiers may still be writing from), shuts the stopped loop's default
+:func:`destroy_engine` also closes the CPU tier last where LMCache's own
+disk tier is present (closing it frees the arena that tier may still be
+writing from), shuts the stopped loop's default
 executor (``asyncio_N`` threads) and, after the last engine, the PinMonitor
 singleton. An engine never destroyed hangs interpreter exit (non-daemon
 ``storage-manager-event-loop`` and ``stats-logger-thread``): leftovers are
@@ -219,11 +220,15 @@ def destroy_engine(engine_or_id: LMCacheEngine | str) -> None:
     engine = engine_instances().get(instance_id)
     if engine is not None:
         manager = engine.storage_manager
-        if manager is not None and CPU_TIER in manager.storage_backends:
+        backends: OrderedDict[str, Any] = (
+            OrderedDict() if manager is None else manager.storage_backends
+        )
+        if CPU_TIER in backends and DISK_TIER in backends:
             # StorageManager.close() closes backends in dict order, and closing
-            # the CPU tier frees its arena: lower tiers still writing from CPU
-            # MemoryObjs must drain first, so close the CPU tier last.
-            manager.storage_backends.move_to_end(CPU_TIER)
+            # the CPU tier frees its arena while LMCache's own disk tier still
+            # writes from it. Our plugin closes itself first (see backend.py);
+            # the stock one needs the CPU tier moved last.
+            backends.move_to_end(CPU_TIER)
         LMCacheEngineBuilder.destroy(instance_id)
         if manager is not None:
             _close_loop(manager)
