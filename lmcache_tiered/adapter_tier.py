@@ -25,43 +25,42 @@ lookup the index lacks (chunks other hosts stored). Eviction is the store's
 own (Redis ``maxmemory-policy``, LMCache's ``eviction`` JSON): a chunk it
 dropped is a miss at the next read.
 
-Failure: every operation waits at most :data:`TIMEOUT_S`; the buffers of one
-that did not finish stay referenced (the adapter may still write into them).
-LMCache's native Redis client never reconnects after the server goes away and
-can leave operations pending forever, so a prober checks the store every
-:data:`PROBE_S` seconds with a small write and read of its own, of one of
-:data:`PROBE_OBJECTS` objects in turn until one passes (on a cluster they are
-likely on different nodes: one node lost is then the misses of its slots,
-not a failed check); a failed check (every probe object failed), a
-timed-out operation or :data:`DEGRADE_AFTER` failed operations in a
-row make the tier *degraded* (lookups and reads miss, writes are dropped, one
-WARNING line), the adapter is abandoned, and the prober builds a new one until
-a check passes; the index then starts empty, since the store may have
-restarted empty.
+Failure: every operation waits at most
+:data:`lmcache_tiered.store_client.TIMEOUT_S`. LMCache's native Redis client
+never reconnects after the server goes away and can leave operations pending
+forever, so a prober checks the store every :data:`PROBE_S` seconds with a
+small write and read back of its own, of one of :data:`PROBE_OBJECTS` objects
+in turn until one passes (on a cluster they are likely on different nodes:
+one node lost is then the misses of its slots, not a failed check). The
+store is *down* after a failed check, a timed-out operation or
+:data:`DEGRADE_AFTER` failed operations in a row: lookups and reads answer
+misses at once and writes are dropped, the adapter is abandoned, and the
+prober checks a new one until a check passes; only then does the tier serve
+again (its index empty: the store may have restarted empty). A store that
+answers reads but refuses writes (full, read-only) is not down: it *refuses
+writes* (they are dropped at once) and keeps serving its chunks until a
+check's write passes. Each change of state is one WARNING line, and
+``degraded`` / ``writes_refused`` say since when.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
+from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_tiered._lmcache import build_l2_adapter, flat_memory_obj
-from lmcache_tiered.config import PREFIX, ConfigError, TieredConfig
+from lmcache_tiered import store_client
+from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.io import aligned_buffer
-from lmcache_tiered.keys import DIGEST_SIZE, StoreKey, key_digest
+from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.layout import (
     HEADER_SIZE,
     CorruptRecord,
@@ -71,25 +70,27 @@ from lmcache_tiered.layout import (
 )
 from lmcache_tiered.metrics import TierStats
 from lmcache_tiered.payload import Allocator, Payload, payload_view
+from lmcache_tiered.store_client import (
+    HEADER_GROUP,
+    PAYLOAD_GROUP,
+    StoreClient,
+    StoreTimeout,
+    build_adapter,
+    close_later,
+    object_key,
+    probe_key,
+)
 
 logger = logging.getLogger("lmcache_tiered")
 
-#: Seconds one store operation may take before the store counts as hung.
-TIMEOUT_S = 5.0
 #: Seconds between the prober's checks of the store.
 PROBE_S = 2.0
 #: Probe objects per tier, tried in turn until one answers (cluster nodes).
 PROBE_OBJECTS = 4
-#: Failed operations in a row (no success between) that degrade the tier.
+#: Failed operations in a row (no success between) that make the store down.
 DEGRADE_AFTER = 3
 #: Headers kept in memory; older ones are asked for again at their next lookup.
 MAX_INDEX = 1 << 18
-#: The model name of our objects in the store (their namespace).
-NAMESPACE = "lmcache-tiered"
-#: Object groups of a chunk's two objects in the store.
-PAYLOAD_GROUP, HEADER_GROUP = 0, 1
-#: Seconds between polls of an operation's result.
-_POLL_S = 0.0005
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,44 +103,6 @@ class StoreEngine:
     def register_buffers(self, regions: Sequence[memoryview]) -> bool:
         """A store takes no fixed buffers (reads land in buffers of ours)."""
         return False
-
-
-def _object_key(digest: bytes, group: int) -> ObjectKey:
-    """The store's name of one object of the chunk with key digest ``digest``."""
-    return ObjectKey(
-        chunk_hash=digest, model_name=NAMESPACE, kv_rank=0, object_group_id=group
-    )
-
-
-def probe_key(owner: str) -> ObjectKey:
-    """The object the prober named ``owner`` writes and reads back (a tier:
-    its host and process; ``inspect``: its host, looked up only)."""
-    digest = hashlib.blake2b(f"probe@{owner}".encode(), digest_size=DIGEST_SIZE)
-    return _object_key(digest.digest(), PAYLOAD_GROUP)
-
-
-def build_adapter(spec: Mapping[str, Any]) -> L2AdapterInterface:
-    """The adapter ``spec`` (``tiered.cold.adapter``) describes, built by
-    LMCache; ConfigError naming the setting for a spec LMCache refuses."""
-    try:
-        return build_l2_adapter(json.dumps(spec))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"{PREFIX}cold.adapter: {exc}") from None
-
-
-def answer(query: Callable[[], Any], timeout: float) -> Any:
-    """Poll ``query`` until it answers (not None), for at most ``timeout``
-    seconds; None if it never did."""
-    deadline = time.monotonic() + timeout
-    while (result := query()) is None:
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(_POLL_S)
-    return result
-
-
-class _Broken(Exception):
-    """The store did not answer in time: the tier degrades."""
 
 
 class AdapterTier:
@@ -158,21 +121,22 @@ class AdapterTier:
         self.engine = StoreEngine(f"l2:{spec['type']}")
         self.max_payload = max_payload
         self.stats = TierStats()
+        #: why the store is down (None: it serves), "down since T: why"
         self.degraded: str | None = None
+        #: why it refuses writes while it serves reads, "since T: why"
+        self.writes_refused: str | None = None
+        self._down_since = self._refused_since = 0.0
         self._index: OrderedDict[bytes, RecordHeader] = OrderedDict()
         self._lock = threading.Lock()
         self._failures = 0
         self._used = 0
-        #: buffers of operations that never finished, kept for the adapter
-        self._abandoned: list[Any] = []
-        self._stores_done: dict[int, Any] = {}
         # one per process (deleted at close): two processes probing one
         # object could see each other's writes as a failed check
         self._probe_keys = [
             probe_key(f"{settings.host_id}@{os.getpid()}#{i}")
             for i in range(PROBE_OBJECTS)
         ]
-        self._adapter: L2AdapterInterface | None = build_adapter(spec)
+        self._client: StoreClient | None = StoreClient(build_adapter(spec))
         self._stop = threading.Event()
         self._prober = threading.Thread(
             target=self._probe_loop, name="lmcache-tiered-store-probe", daemon=True
@@ -220,19 +184,14 @@ class AdapterTier:
         """Delete ``keys`` from the store in one batch; how many we held.
 
         Headers go first, so a chunk is invisible before its payload goes; on
-        a thread of its own (LMCache's native adapters block up to 30 s),
-        waited for up to ``wait_s``."""
+        a thread of its own, waited for up to ``wait_s``."""
         with self._lock:
             digests = [d for k in keys if self._index.pop(d := key_digest(k), None)]
-        adapter = self._adapter
-        if digests and adapter is not None:
-            objects = [_object_key(d, HEADER_GROUP) for d in digests]
-            objects += [_object_key(d, PAYLOAD_GROUP) for d in digests]
-            deleting = threading.Thread(
-                target=_delete, args=(adapter, objects), daemon=True
-            )
-            deleting.start()
-            deleting.join(wait_s)
+        client = self._client
+        if digests and client is not None:
+            objects = [object_key(d, HEADER_GROUP) for d in digests]
+            objects += [object_key(d, PAYLOAD_GROUP) for d in digests]
+            client.delete_later(objects, wait_s)
         return len(digests)
 
     @property
@@ -264,7 +223,7 @@ class AdapterTier:
             return
         digests = list(wanted)
         buffers = [torch.empty(HEADER_SIZE, dtype=torch.uint8) for _ in digests]
-        ok = self._load([_object_key(d, HEADER_GROUP) for d in digests], buffers)
+        ok = self._load([object_key(d, HEADER_GROUP) for d in digests], buffers)
         found = []
         for digest, buffer, good in zip(digests, buffers, ok, strict=True):
             if not good:
@@ -331,7 +290,7 @@ class AdapterTier:
             buffers.append(torch.empty(header.payload_size, dtype=torch.uint8))
         started = time.perf_counter()
         ok = self._load(
-            [_object_key(key_digest(keys[i]), PAYLOAD_GROUP) for i in index], buffers
+            [object_key(key_digest(keys[i]), PAYLOAD_GROUP) for i in index], buffers
         )
         self.stats.read_latency.observe(time.perf_counter() - started)
         lost = []
@@ -363,7 +322,7 @@ class AdapterTier:
         reused before an abandoned write is done with it."""
         stored = [self.header(p.key) is not None for p in payloads]
         todo = [i for i, done in enumerate(stored) if not done]
-        if self.degraded is not None:
+        if self.degraded is not None or self.writes_refused is not None:
             self.stats.puts_dropped += len(todo)
             return stored
         big = [i for i in todo if len(payloads[i].view) > self.max_payload]
@@ -393,8 +352,8 @@ class AdapterTier:
             torch.frombuffer(bytearray(h.encode()), dtype=torch.uint8) for h in headers
         ]
         if not (
-            self._store([_object_key(d, PAYLOAD_GROUP) for d in digests], bodies)
-            and self._store([_object_key(d, HEADER_GROUP) for d in digests], blocks)
+            self._store([object_key(d, PAYLOAD_GROUP) for d in digests], bodies)
+            and self._store([object_key(d, HEADER_GROUP) for d in digests], blocks)
         ):
             self.stats.puts_dropped += len(todo)
             self.stats.io_errors += 1
@@ -409,179 +368,222 @@ class AdapterTier:
 
     # ---------------------------------------------------------- the adapter
 
-    def _load(
-        self, keys: list[ObjectKey], buffers: list[torch.Tensor], probing: bool = False
-    ) -> list[bool]:
+    def _load(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> list[bool]:
         """Load ``keys`` into ``buffers`` (exact sizes); per key whether it
-        landed. As LMCache's controllers do: look up and lock, load what was
-        found, unlock (LMCache's Redis client drops its connection on a read
-        of a missing key). Misses when degraded or when the store fails."""
-        adapter = self._adapter
-        landed = [False] * len(keys)
-        if adapter is None or self.degraded is not None:
-            return landed
-        objs = [flat_memory_obj(b) for b in buffers]
-        found: list[int] = []
+        landed. Misses at once while the store is down, and when it fails."""
+        client = self._client
+        if client is None or self.degraded is not None:
+            return [False] * len(keys)
         try:
-            task = adapter.submit_lookup_and_lock_task(keys, {})
-            held = self._wait(lambda: adapter.query_lookup_and_lock_result(task), [])
-            found = [i for i in range(len(keys)) if held.test(i)]
-            if found:
-                task = adapter.submit_load_task(
-                    [keys[i] for i in found], [objs[i] for i in found]
-                )
-                bitmap = self._wait(lambda: adapter.query_load_result(task), objs)
-                for n, i in enumerate(found):
-                    landed[i] = bool(bitmap.test(n))
-        except _Broken as exc:
+            landed = client.load(keys, buffers)
+        except StoreTimeout as exc:
             self._degrade(str(exc))
             return [False] * len(keys)
         except Exception:
             logger.exception("lmcache_tiered: store load failed")
-            self._failed(probing)
+            self._failed()
             return [False] * len(keys)
-        finally:
-            if found:
-                adapter.submit_unlock([keys[i] for i in found])
         self._failures = 0
         return landed
 
-    def _store(
-        self, keys: list[ObjectKey], buffers: list[torch.Tensor], probing: bool = False
-    ) -> bool:
-        adapter = self._adapter
-        if adapter is None or self.degraded is not None:
+    def _store(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> bool:
+        """Store ``keys`` from ``buffers``; False if not stored. Nothing is
+        tried while the store is down or refuses writes."""
+        client = self._client
+        if client is None or self.degraded is not None or self.writes_refused:
             return False
-        objs = [flat_memory_obj(b) for b in buffers]
         try:
-            task = adapter.submit_store_task(keys, objs)
-            result = self._wait(lambda: self._store_result(adapter, task), objs)
-        except _Broken as exc:
+            stored = client.store(keys, buffers)
+        except StoreTimeout as exc:
             self._degrade(str(exc))
             return False
         except Exception:
             logger.exception("lmcache_tiered: store write failed")
-            self._failed(probing)
-            return False
-        if not result.is_successful():
-            self._failed(probing)
+            self._failed()
             return False
         self._failures = 0
-        return True
+        if not stored:
+            self._refuse("a write was refused (full or read-only?)")
+        return stored
 
-    def _store_result(self, adapter: L2AdapterInterface, task: int) -> Any:
-        """The result of store ``task``: LMCache pops every finished store at
-        once, so each caller files the others' for them."""
-        with self._lock:
-            self._stores_done.update(adapter.pop_completed_store_tasks())
-            return self._stores_done.pop(task, None)
-
-    def _wait(self, query: Callable[[], Any], objs: list[TensorMemoryObj]) -> Any:
-        """Poll ``query`` until it answers; after :data:`TIMEOUT_S` keep the
-        operation's buffers for good and raise _Broken."""
-        result = answer(query, TIMEOUT_S)
-        if result is None:
-            self._abandoned.append(objs)
-            raise _Broken(f"an operation took over {TIMEOUT_S:.0f} s")
-        return result
-
-    def _failed(self, probing: bool = False) -> None:
-        """Count a failed operation; a probe's are the prober's to judge."""
-        if probing:
-            return
+    def _failed(self) -> None:
+        """Count a failed operation (DEGRADE_AFTER in a row: down)."""
         self._failures += 1
         if self._failures >= DEGRADE_AFTER:
             self._degrade(f"{self._failures} operations in a row failed")
 
+    # ---------------------------------------------------------------- health
+
     def _degrade(self, why: str) -> None:
+        """The store is down: drop the adapter and serve misses at once until
+        the prober's check on a new one passes (one WARNING line)."""
         with self._lock:
             if self.degraded is not None:
                 return
-            self.degraded = why
+            self._down_since = time.time()
+            self.degraded = f"down since {_clock(self._down_since)}: {why}"
+            self.writes_refused = None  # the check that brings it back says
             self.stats.degradations += 1
-            adapter, self._adapter = self._adapter, None
+            client, self._client = self._client, None
             self._index.clear()
         logger.warning(
-            "lmcache_tiered: cold store (%s) degraded: %s; its chunks are misses "
-            "until it answers again (checked every %.0f s)",
+            "lmcache_tiered: cold store (%s) %s; its chunks are misses until a "
+            "check passes (one every %g s)",
             self.engine.name,
-            why,
+            self.degraded,
             PROBE_S,
         )
-        if adapter is not None:
-            close_later(adapter)
+        if client is not None:
+            close_later(client.adapter)
+
+    def _back(self, client: StoreClient) -> None:
+        """A check through ``client`` passed: serve through it again."""
+        since = self._down_since
+        with self._lock:
+            self._client, self.degraded = client, None
+            self._failures = 0
+        logger.warning(
+            "lmcache_tiered: cold store (%s) back after %.0f s (down since %s)",
+            self.engine.name,
+            time.time() - since,
+            _clock(since),
+        )
+
+    def _refuse(self, why: str) -> None:
+        """Writes are refused while reads are served (full, read-only). The
+        client that wrote is swapped for a fresh one: LMCache 0.5.6's RESP
+        client fails every read after a refused write ("GET: size header
+        mismatch"), so reads go through one that never writes."""
+        with self._lock:
+            if self.writes_refused is not None or self.degraded is not None:
+                return
+            self._refused_since = time.time()
+            self.writes_refused = f"since {_clock(self._refused_since)}: {why}"
+            client, self._client = self._client, None
+        logger.warning(
+            "lmcache_tiered: cold store (%s) refuses writes %s; its chunks are "
+            "still served, writes to it are dropped until a check's write "
+            "passes (one every %g s)",
+            self.engine.name,
+            self.writes_refused,
+            PROBE_S,
+        )
+        if client is not None:
+            close_later(client.adapter)
+        try:
+            self._client = StoreClient(build_adapter(self.spec))
+        except Exception as exc:
+            self._degrade(f"no new client for reads: {exc}")
+
+    def _takes_writes(self) -> None:
+        with self._lock:
+            if self.writes_refused is None:
+                return
+            self.writes_refused = None
+        logger.warning(
+            "lmcache_tiered: cold store (%s) takes writes again after %.0f s",
+            self.engine.name,
+            time.time() - self._refused_since,
+        )
 
     @property
     def probe_keys(self) -> tuple[ObjectKey, ...]:
         """The store objects the prober writes, in the order it tries them."""
         return tuple(self._probe_keys)
 
-    def _probe(self) -> bool:
-        """A small write and read back of our probe objects, in turn, until one
-        passes (the one that passed is tried first next time)."""
-        for _ in range(len(self._probe_keys)):
-            if self._probe_one(self._probe_keys[0]):
-                return True
+    def _check(self, client: StoreClient, tries: int = PROBE_OBJECTS) -> _Check:
+        """Our probe objects in turn, at most ``tries``, until one passes or
+        refuses a write (that one is tried first next time); else down."""
+        check = _Check(down="no probe object tried")
+        for _ in range(min(tries, len(self._probe_keys))):
+            check = self._check_one(client, self._probe_keys[0])
+            if check.down is None:
+                return check
             self._probe_keys.append(self._probe_keys.pop(0))
-        return False
+        return check
 
-    def _probe_one(self, key: ObjectKey) -> bool:
+    def _check_one(self, client: StoreClient, key: ObjectKey) -> _Check:
+        """Write ``key``, then read it back. A write the store answered with a
+        refusal is a store that is up but takes no writes; nothing is read
+        through a client after a refused write (see :meth:`_refuse`)."""
         data = torch.full((HEADER_SIZE,), 0x5A, dtype=torch.uint8)
-        if not self._store([key], [data], probing=True):
-            return False
         back = torch.zeros(HEADER_SIZE, dtype=torch.uint8)
-        landed = self._load([key], [back], probing=True)[0]
-        return landed and bool(torch.equal(back, data))
+        try:
+            if not client.store([key], [data]):
+                # it answered: up, but full or read-only
+                return _Check(refused="a check's write was refused")
+            landed = client.load([key], [back])[0]
+        except StoreTimeout as exc:
+            return _Check(down=str(exc))
+        except Exception as exc:
+            return _Check(down=f"a check failed: {exc}")
+        if not landed or not torch.equal(back, data):
+            return _Check(down="the store failed a check")
+        return _Check()
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(PROBE_S):
-            if self.degraded is None:
-                if not self._probe():
-                    self._degrade("the store failed a check")
-                continue
-            try:
-                adapter = build_adapter(self.spec)
-            except Exception as exc:
-                logger.debug("lmcache_tiered: cold store not back: %s", exc)
-                continue
-            self._adapter, self.degraded, self._failures = adapter, None, 0
-            if self._probe():
-                logger.warning(
-                    "lmcache_tiered: cold store (%s) answers again", self.engine.name
-                )
+            client = self._client
+            if self.degraded is None and self.writes_refused is not None:
+                check = self._check_writes()
+            elif self.degraded is None and client is not None:
+                check = self._check(client)
+                if client is not self._client:
+                    continue  # swapped meanwhile (a refused write): stale
+
             else:
-                self._degrade("the store failed a check")
+                # a client that cannot reach the store waits out every
+                # operation: one probe object a period, each waited for
+                # half a period, so the store's return is seen in two
+                try:
+                    client = StoreClient(build_adapter(self.spec), PROBE_S / 2)
+                except Exception as exc:
+                    logger.debug("lmcache_tiered: cold store not back: %s", exc)
+                    continue
+                check = self._check(client, tries=1)
+                if check.down is not None:
+                    close_later(client.adapter)
+                    continue
+                client.timeout_s = None
+                self._back(client)
+            if check.down is not None:
+                self._degrade(check.down)
+            elif check.refused is not None:
+                self._refuse(check.refused)
+            else:
+                self._takes_writes()
+
+    def _check_writes(self) -> _Check:
+        """The check of a store that refuses writes, through a client of its
+        own (thrown away after: see :meth:`_refuse`)."""
+        try:
+            client = StoreClient(build_adapter(self.spec), PROBE_S / 2)
+        except Exception as exc:
+            return _Check(down=f"no new client: {exc}")
+        try:
+            return self._check(client, tries=1)
+        finally:
+            close_later(client.adapter)
 
     def close(self) -> None:
         self._stop.set()
-        self._prober.join(TIMEOUT_S * 3)
-        adapter, self._adapter = self._adapter, None
-        if adapter is not None:
+        self._prober.join(3 * store_client.TIMEOUT_S)
+        client, self._client = self._client, None
+        if client is not None:
             # our probe object goes with us, unless the store is unreachable
             probe = list(self.probe_keys) if self.degraded is None else []
-            close_later(adapter, delete_first=probe).join(TIMEOUT_S)
+            close_later(client.adapter, delete_first=probe).join(store_client.TIMEOUT_S)
 
 
-def _delete(adapter: L2AdapterInterface, objects: list[ObjectKey]) -> None:
-    try:
-        adapter.delete(objects)
-    except Exception:
-        logger.exception("lmcache_tiered: store delete failed")
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """What one check of the store found: why it is ``down`` (serves
+    nothing), or why it ``refused`` a write (serves reads only), or neither."""
+
+    down: str | None = None
+    refused: str | None = None
 
 
-def close_later(
-    adapter: L2AdapterInterface, delete_first: list[ObjectKey] | None = None
-) -> threading.Thread:
-    """Close ``adapter`` (after deleting ``delete_first``) on a daemon thread:
-    a client stuck on a hung store may never return from either."""
-
-    def close() -> None:
-        if delete_first:
-            _delete(adapter, delete_first)
-        adapter.close()
-
-    thread = threading.Thread(
-        target=close, name="lmcache-tiered-store-close", daemon=True
-    )
-    thread.start()
-    return thread
+def _clock(wall: float) -> str:
+    """A wall-clock time for status and log lines (UTC, to the second)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(wall))

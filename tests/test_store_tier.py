@@ -4,6 +4,7 @@ LMCache's own ``resp`` L2 adapter, behind a real LMCache engine."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import socket
@@ -21,7 +22,7 @@ from test_bench import SMALL, mooncake, write_trace
 from test_mp import CHUNK as MP_CHUNK
 from test_mp import SLOT, Caller, memory_obj, okey, params
 
-from lmcache_tiered import adapter_tier, testing
+from lmcache_tiered import adapter_tier, store_client, testing
 from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.cli import main
@@ -91,7 +92,7 @@ class Redis:
 
     def objects(self) -> list[str]:
         out = self.cli("keys", "*")
-        return [k for k in out.split() if k.startswith(adapter_tier.NAMESPACE)]
+        return [k for k in out.split() if k.startswith(store_client.NAMESPACE)]
 
     @property
     def adapter(self) -> str:
@@ -263,7 +264,7 @@ def two_chunks_in_redis(
 ) -> tuple[Any, Any, Any, torch.Tensor, torch.Tensor]:
     """An engine whose first two chunks were demoted to Redis by two more,
     with short store timeouts; (engine, connector, cache, tokens, kv)."""
-    monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
+    monkeypatch.setattr(store_client, "TIMEOUT_S", 2.0)
     monkeypatch.setattr(adapter_tier, "PROBE_S", 0.5)
     engine, connector, cache = store_engine(
         engine_factory, tmp_path / "a", redis.adapter
@@ -292,7 +293,7 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     started = time.monotonic()
     out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     # never a hang, never wrong bytes: the cold chunks are misses
-    assert time.monotonic() - started < 2 * adapter_tier.TIMEOUT_S + 5
+    assert time.monotonic() - started < 2 * store_client.TIMEOUT_S + 5
     assert int(mask.sum()) == 0
     wait_until(lambda: cold.degraded is not None, timeout=15)
     assert testing.lookup(engine, first) == 0
@@ -352,7 +353,7 @@ def test_multi_process_adapter_over_redis(tmp_path: Path, redis: Redis) -> None:
         assert status["engine"] == "l2:resp" and status["hits"] == 4
         # the store evicting a payload on its own: a miss, the rest served
         victim = key_digest(keys[0]).hex()
-        assert redis.cli("del", f"{adapter_tier.NAMESPACE}@00000000@0@{victim}")
+        assert redis.cli("del", f"{store_client.NAMESPACE}@00000000@0@{victim}")
         # the loads' copies to warm are written in the background: let them
         # land first, or key 0's copy can reach warm after it is removed
         second.cache.flush()
@@ -387,7 +388,7 @@ def test_a_stopped_redis_is_a_miss_within_the_timeout_and_recovers(
         testing.clear_cpu_tier(engine)
         started = time.monotonic()
         out, mask = testing.retrieve_tokens(engine, first, connector=connector)
-        assert time.monotonic() - started < 2 * adapter_tier.TIMEOUT_S + 5
+        assert time.monotonic() - started < 2 * store_client.TIMEOUT_S + 5
         assert int(mask.sum()) == 0
         assert cold.degraded is not None
     finally:
@@ -416,7 +417,7 @@ def test_inspect_reports_the_store_a_config_names(
     """``inspect --config`` with LMCache's YAML: warm's files as ever, and the
     store: its adapter, that it answers, its own status; misses of listing
     said as such (resp lists no keys). A store gone is reported, exit 2."""
-    monkeypatch.setattr(adapter_tier, "TIMEOUT_S", 2.0)
+    monkeypatch.setattr(store_client, "TIMEOUT_S", 2.0)
     engine, connector, _ = store_engine(
         engine_factory, tmp_path / "warm", redis.adapter
     )
@@ -545,3 +546,218 @@ def test_bench_runs_against_the_real_store_and_leaves_it_empty(
         assert cold["bytes_written"] > 0 and cold["hits"] > 0, name
         assert run["hit_rate"]["cold"] + run["hit_rate"]["warm"] > 0, name
     assert redis.objects() == []  # each variant deleted its chunks
+
+
+DESTROY_CHILD = """
+import json, os, sys, time
+import torch
+from lmcache_tiered import testing
+from lmcache_tiered._lmcache import LMCacheEngineBuilder, engine_instances
+from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.tier import Tier
+
+root, adapter, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+def build(warm):
+    os.makedirs(f"{root}/{warm}", exist_ok=True)
+    extra = {
+        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+        "storage_plugin.tiered.class_name": "TieredBackend",
+        "tiered.warm.paths": [f"{root}/{warm}"],
+        "tiered.warm.capacity_gb": CAPACITY,
+        "tiered.warmup.policy": "none",
+        "tiered.cold.adapter": adapter,
+        "tiered.cold.write": "through",
+    }
+    config = testing.build_config(
+        extra_config=extra, storage_plugins=["tiered"], chunk_size=CHUNK
+    )
+    engine, connector = testing.build_engine(config)
+    return engine, connector, testing.get_backends(engine)["tiered"].cache
+
+engine, connector, cache = build("w")
+tokens = testing.make_tokens(24 * CHUNK, seed=1)
+kv = testing.make_kv(connector, 24 * CHUNK, seed=2)
+testing.store_tokens(engine, tokens, kv)
+cache.flush()
+keys = testing.chunk_keys(engine, tokens)
+reference = [bytes(p.view) for p in cache.tiers["cold"].read_payloads(keys)]
+testing.destroy_engine(engine)
+for r in range(rounds):
+    engine, connector, cache = build(f"r{r}")
+    store = cache.store
+    def slow_store(payloads, store=store):
+        time.sleep(0.05)
+        return store(payloads)
+    cache.store = slow_store  # the copies up to warm are still queued below
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == len(tokens) and torch.equal(out, kv), r
+    instance = next(i for i, e in engine_instances().items() if e is engine)
+    LMCacheEngineBuilder.destroy(instance)  # LMCache's order: CPU tier first
+found = {"exact": 0, "absent": 0, "wrong": 0}
+for r in range(rounds):
+    settings = TieredConfig.from_extra_config({"tiered.warm.paths": [f"{root}/r{r}"]})
+    tier = Tier(
+        settings.tier_options(settings.warm), owner="kv-w0",
+        max_payload=len(reference[0]), capacity_bytes=int(CAPACITY * 2**30),
+    )
+    for payload, want in zip(tier.read_payloads(keys), reference):
+        kind = "absent" if payload is None else (
+            "exact" if bytes(payload.view) == want else "wrong")
+        found[kind] += 1
+    tier.close()
+print(json.dumps(found))
+""".replace("CAPACITY", repr(TWO_CHUNKS_GB)).replace("CHUNK", str(CHUNK))
+
+
+def test_destroy_with_copies_queued_reads_no_freed_memory(
+    tmp_path: Path, redis: Redis
+) -> None:
+    """Issue 27, finding 0: LMCache's destroy closes its CPU tier (freeing
+    the arena) before the plugin, while the writer still holds queued cold
+    hits' copies up to warm in that arena: a SIGSEGV in the checksum, 4 runs
+    in 8 before. The plugin now closes itself first. 20 destroys, each with
+    copies queued behind a slowed store; then every warm record is exact or
+    absent."""
+    child = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", DESTROY_CHILD]
+        + [str(tmp_path), redis.adapter, "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    found = json.loads(child.stdout.strip().splitlines()[-1])
+    assert found["wrong"] == 0
+    assert found["exact"] == 20 * 2  # each warm tier holds its last two copies
+
+
+def lookups_during(
+    engine: Any, cold: AdapterTier, seconds: float, seed: int
+) -> tuple[list[float], list[str | None]]:
+    """Engine lookups of chunks no one stored (each asks the store) for
+    ``seconds``: their latencies and the tier's ``degraded`` after each."""
+    latencies, states = [], []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        tokens = testing.make_tokens(CHUNK, seed=seed + len(latencies))
+        started = time.monotonic()
+        assert testing.lookup(engine, tokens) == 0
+        latencies.append(time.monotonic() - started)
+        states.append(cold.degraded)
+        time.sleep(0.01)
+    return latencies, states
+
+
+def test_a_store_that_is_down_costs_lookups_nothing_once_detected(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 27, finding 1: the prober cleared ``degraded`` before its check
+    had passed, so every probe of a dead store re-opened the tier and a
+    lookup waited the full timeout every few seconds. Two outages on a real
+    redis-server, SIGSTOP (data kept) then kill and a restart empty: at most
+    one lookup per outage waits for the timeout, the rest p99 <= 50 ms; the
+    tier says "down since" all along, logs "down" and "back" once each, and
+    serves from the store within two probe periods of its return."""
+    engine, connector, cache, first, first_kv = two_chunks_in_redis(
+        engine_factory, tmp_path, redis, monkeypatch
+    )
+    cold = cache.tiers["cold"]
+    assert isinstance(cold, AdapterTier) and redis.proc is not None
+    timeout, probe = store_client.TIMEOUT_S, adapter_tier.PROBE_S
+    healthy, _ = lookups_during(engine, cold, 1.0, seed=1000)
+    caplog.set_level(logging.WARNING, logger="lmcache_tiered")
+
+    def outage(stop: Callable[[], None], start: Callable[[], None], seed: int) -> None:
+        caplog.clear()
+        stop()
+        latencies, states = lookups_during(engine, cold, 12.0, seed)
+        assert sum(t >= timeout for t in latencies) <= 1, latencies
+        detected = next(i for i, s in enumerate(states) if s is not None)
+        after = sorted(latencies[detected + 1 :])
+        assert after[int(0.99 * (len(after) - 1))] <= 0.05, after[-5:]
+        assert all(
+            s is not None and s.startswith("down since ") for s in states[detected:]
+        )
+        start()
+        back = time.monotonic()
+        wait_until(lambda: cold.degraded is None, timeout=30)
+        assert time.monotonic() - back <= 2 * probe + 0.5
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum(") down since" in m for m in lines) == 1, lines
+        assert sum(" back after " in m for m in lines) == 1, lines
+
+    assert max(healthy) < timeout
+    outage(
+        lambda: redis.proc.send_signal(signal.SIGSTOP),
+        lambda: redis.proc.send_signal(signal.SIGCONT),
+        seed=2000,
+    )
+    testing.clear_cpu_tier(engine)
+    assert testing.lookup(engine, first) == 2 * CHUNK  # kept: found again
+    out, mask = testing.retrieve_tokens(engine, first, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
+
+    outage(redis.stop, redis.start, seed=3000)  # back empty
+    keys = testing.chunk_keys(engine, first)
+    cold.discover(keys)
+    assert cold.read_payloads(keys) == [None, None]  # gone with the store
+    third, third_kv = store_chunks(engine, connector, 2, seed=21)
+    store_chunks(engine, connector, 2, seed=31)  # demotes the third pair
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, third, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)
+
+
+def test_a_store_refusing_writes_keeps_serving_reads(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 27, finding 4: a full Redis (``maxmemory``, ``noeviction``)
+    showed as a store going up and down. Writes refused are not an outage:
+    the tier keeps serving its chunks, drops writes at once, and says so
+    once, then once again when the store takes writes again."""
+    engine, connector, cache, first, first_kv = two_chunks_in_redis(
+        engine_factory, tmp_path, redis, monkeypatch
+    )
+    cold = cache.tiers["cold"]
+    assert isinstance(cold, AdapterTier)
+    caplog.set_level(logging.WARNING, logger="lmcache_tiered")
+    info = dict(
+        line.split(":", 1)
+        for line in redis.cli("info", "memory").split()
+        if ":" in line
+    )
+    redis.cli("config", "set", "maxmemory-policy", "noeviction")
+    # below what it holds: every write is refused ("OOM command not allowed")
+    redis.cli("config", "set", "maxmemory", str(int(info["used_memory"]) // 2))
+    # more demotions to Redis: refused, and the prober's write too
+    for seed in (41, 51, 61, 71):
+        store_chunks(engine, connector, 1, seed=seed)
+    wait_until(lambda: cold.writes_refused is not None, timeout=10)
+    time.sleep(4 * adapter_tier.PROBE_S)  # several checks run meanwhile
+    assert cold.degraded is None and cold.writes_refused is not None
+    assert cold.writes_refused.startswith("since ")
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, first, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("refuses writes since" in m for m in lines) == 1, lines
+    assert not any(") down since" in m for m in lines), lines
+
+    redis.cli("config", "set", "maxmemory", "0")
+    wait_until(lambda: cold.writes_refused is None, timeout=4 * adapter_tier.PROBE_S)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("takes writes again" in m for m in lines) == 1, lines
+    third, third_kv = store_chunks(engine, connector, 2, seed=81)
+    store_chunks(engine, connector, 2, seed=91)  # demotes the third pair
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, third, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)

@@ -3,7 +3,7 @@
 Read-only and quick: the store is asked only what LMCache's L2 adapter
 interface offers without a scan. One lookup of this host's probe object
 (the one its live tier writes) tells whether the store answers within
-:data:`lmcache_tiered.adapter_tier.TIMEOUT_S`. The adapter's own
+:data:`lmcache_tiered.store_client.TIMEOUT_S`. The adapter's own
 ``report_status()`` is shown as it is: what it holds, for our own adapter;
 its traffic counters are those of inspect's own adapter, which starts at
 zero, so they say nothing of the server's. Where the adapter lists keys
@@ -23,8 +23,10 @@ from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
-from lmcache_tiered import adapter_tier
-from lmcache_tiered.adapter_tier import (
+from lmcache_tiered import store_client
+from lmcache_tiered.config import ConfigError
+from lmcache_tiered.files import printable
+from lmcache_tiered.store_client import (
     HEADER_GROUP,
     NAMESPACE,
     PAYLOAD_GROUP,
@@ -33,8 +35,6 @@ from lmcache_tiered.adapter_tier import (
     close_later,
     probe_key,
 )
-from lmcache_tiered.config import ConfigError
-from lmcache_tiered.files import printable
 
 #: Objects of ours listed at most (one page); more make the counts "at least".
 PAGE = 1000
@@ -67,7 +67,7 @@ def survey(spec: Mapping[str, Any], *, host_id: str) -> dict[str, Any]:
     try:
         probe = probe_key(host_id)
         task = adapter.submit_lookup_and_lock_task([probe], {})
-        timeout = adapter_tier.TIMEOUT_S
+        timeout = store_client.TIMEOUT_S
         held = answer(lambda: adapter.query_lookup_and_lock_result(task), timeout)
         if held is None:
             report["error"] = f"no answer to a lookup within {timeout:.0f} s"
@@ -80,7 +80,7 @@ def survey(spec: Mapping[str, Any], *, host_id: str) -> dict[str, Any]:
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        close_later(adapter).join(adapter_tier.TIMEOUT_S)
+        close_later(adapter).join(store_client.TIMEOUT_S)
     return report
 
 
