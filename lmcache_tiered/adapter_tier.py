@@ -524,28 +524,18 @@ class AdapterTier:
     def _probe_loop(self) -> None:
         while not self._stop.wait(PROBE_S):
             client = self._client
-            if self.degraded is None and self.writes_refused is not None:
-                check = self._check_writes()
-            elif self.degraded is None and client is not None:
+            serving = self.degraded is None and self.writes_refused is None
+            if serving and client is not None:
                 check = self._check(client)
                 if client is not self._client:
                     continue  # swapped meanwhile (a refused write): stale
-
             else:
-                # a client that cannot reach the store waits out every
-                # operation: one probe object a period, each waited for
-                # half a period, so the store's return is seen in two
-                try:
-                    client = StoreClient(build_adapter(self.spec), PROBE_S / 2)
-                except Exception as exc:
-                    logger.debug("lmcache_tiered: cold store not back: %s", exc)
-                    continue
-                check = self._check(client, tries=1)
-                if check.down is not None:
-                    close_later(client.adapter)
-                    continue
-                client.timeout_s = None
-                self._back(client)
+                check, fresh = self._check_fresh()
+                if fresh is not None and self.degraded and check.down is None:
+                    fresh.timeout_s = None
+                    self._back(fresh)
+                elif fresh is not None:
+                    close_later(fresh.adapter)
             if check.down is not None:
                 self._degrade(check.down)
             elif check.refused is not None:
@@ -553,17 +543,19 @@ class AdapterTier:
             else:
                 self._takes_writes()
 
-    def _check_writes(self) -> _Check:
-        """The check of a store that refuses writes, through a client of its
-        own (thrown away after: see :meth:`_refuse`)."""
+    def _check_fresh(self) -> tuple[_Check, StoreClient | None]:
+        """One probe object checked through a new client, and that client
+        (None if it could not be built): a store that is down is checked
+        without handing its client to callers, and one that refuses writes
+        without writing through the client that serves reads (see
+        :meth:`_refuse`). A client that cannot reach the store waits out
+        every operation, so each waits half a period: the store's return is
+        seen within two."""
         try:
             client = StoreClient(build_adapter(self.spec), PROBE_S / 2)
         except Exception as exc:
-            return _Check(down=f"no new client: {exc}")
-        try:
-            return self._check(client, tries=1)
-        finally:
-            close_later(client.adapter)
+            return _Check(down=f"no new client: {exc}"), None
+        return self._check(client, tries=1), client
 
     def close(self) -> None:
         self._stop.set()

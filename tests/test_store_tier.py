@@ -274,6 +274,20 @@ def two_chunks_in_redis(
     return engine, connector, cache, first, first_kv
 
 
+def served_from_the_store_again(
+    engine: Any, connector: Any, cache: Any, seed: int
+) -> None:
+    """Two new chunks, demoted to the store by two more, are served exact
+    from it."""
+    tokens, kv = store_chunks(engine, connector, 2, seed=seed)
+    store_chunks(engine, connector, 2, seed=seed + 10)  # demotes the first pair
+    keys = testing.chunk_keys(engine, tokens)
+    assert [cache.tier_of(k) for k in keys] == ["cold", "cold"]
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, kv)
+
+
 def test_redis_going_away_degrades_to_misses_and_recovers(
     engine_factory: EngineFactory,
     tmp_path: Path,
@@ -299,13 +313,7 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     assert testing.lookup(engine, first) == 0
     redis.start()  # back, empty
     wait_until(lambda: cold.degraded is None, timeout=20)
-    third, third_kv = store_chunks(engine, connector, 2, seed=21)
-    store_chunks(engine, connector, 2, seed=31)  # demotes the third pair to Redis
-    keys = testing.chunk_keys(engine, third)
-    assert [cache.tier_of(k) for k in keys] == ["cold", "cold"]
-    testing.clear_cpu_tier(engine)
-    out, mask = testing.retrieve_tokens(engine, third, connector=connector)
-    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)
+    served_from_the_store_again(engine, connector, cache, seed=21)
     assert cold.stats.degradations >= 1
 
 
@@ -706,11 +714,7 @@ def test_a_store_that_is_down_costs_lookups_nothing_once_detected(
     keys = testing.chunk_keys(engine, first)
     cold.discover(keys)
     assert cold.read_payloads(keys) == [None, None]  # gone with the store
-    third, third_kv = store_chunks(engine, connector, 2, seed=21)
-    store_chunks(engine, connector, 2, seed=31)  # demotes the third pair
-    testing.clear_cpu_tier(engine)
-    out, mask = testing.retrieve_tokens(engine, third, connector=connector)
-    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)
+    served_from_the_store_again(engine, connector, cache, seed=21)
 
 
 def test_a_store_refusing_writes_keeps_serving_reads(
@@ -756,8 +760,4 @@ def test_a_store_refusing_writes_keeps_serving_reads(
     wait_until(lambda: cold.writes_refused is None, timeout=4 * adapter_tier.PROBE_S)
     lines = [r.getMessage() for r in caplog.records]
     assert sum("takes writes again" in m for m in lines) == 1, lines
-    third, third_kv = store_chunks(engine, connector, 2, seed=81)
-    store_chunks(engine, connector, 2, seed=91)  # demotes the third pair
-    testing.clear_cpu_tier(engine)
-    out, mask = testing.retrieve_tokens(engine, third, connector=connector)
-    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, third_kv)
+    served_from_the_store_again(engine, connector, cache, seed=81)
