@@ -481,14 +481,22 @@ class TieredCache:
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
-        """Write every queued put, stop the threads, close the tiers."""
+        """Write every queued put, stop the threads, close the tiers. A part
+        that fails to close is logged and the others still close: a tier left
+        open keeps its threads (a store tier's prober) and files."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.promoter.close()
-        self.writer.close()
-        self.reader.close()
-        self.shared.close()
-        for tier in self.tiers.values():
-            tier.close()
+        parts: list[tuple[str, Callable[[], None]]] = [
+            ("the promoter", self.promoter.close),
+            ("the writer", self.writer.close),
+            ("the reader", self.reader.close),
+            ("the shared cold tier", self.shared.close),
+        ]
+        parts += [(f"tier {name}", t.close) for name, t in self.tiers.items()]
+        for what, close in parts:
+            try:
+                close()
+            except Exception:
+                logger.exception("lmcache_tiered: closing %s failed", what)

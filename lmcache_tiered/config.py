@@ -32,6 +32,8 @@ GIB = 1 << 30
 MAX_QUEUE_DEPTH = 32768
 #: A stripe unit above 1 GiB is no stripe: no chunk of LMCache's is that big.
 MAX_STRIPE_KB = 1 << 20
+#: Nor is a chunk slot above 64 GiB (a 480B model's 256 tokens take ~64 MiB).
+MAX_SLOT_MB = 64 << 10
 
 
 class ConfigError(ValueError):
@@ -233,7 +235,7 @@ SETTINGS: dict[str, Setting] = {
     "direct_io": Setting(_parse_bool, True, "use O_DIRECT (page cache bypass)"),
     "slot_mb": Setting(
         # at least one 4 KiB block: a smaller slot cannot be planned
-        _in_range(_parse_float, 4 / 1024),
+        _in_range(_parse_float, 4 / 1024, MAX_SLOT_MB),
         None,
         "largest chunk in MiB; default: LMCache's full chunk size",
     ),

@@ -309,6 +309,18 @@ class Geometry:
         geometry = Geometry(devices, stripe, per_device, max_payload)
         return geometry if geometry.is_sane() else None
 
+    @staticmethod
+    def describe_superblock(block: bytes | memoryview) -> str:
+        """What a sealed superblock records, in words for a log line: its
+        geometry, or the format version this release does not read."""
+        _, version, devices, stripe, per_device, max_payload = _SUPER.unpack_from(
+            bytes(block[: _SUPER.size])
+        )
+        if version != SUPER_VERSION:
+            return f"format version {version}; this release writes {SUPER_VERSION}"
+        geometry = Geometry(devices, stripe, per_device, max_payload)
+        return f"{geometry}" if geometry.is_sane() else f"an impossible {geometry}"
+
     def is_sane(self) -> bool:
         """Whether slots and extents computed from this geometry stay inside
         its slabs: tools that take the geometry from disk check it first."""

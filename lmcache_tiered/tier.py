@@ -107,7 +107,9 @@ class Tier:
             raise ConfigError(
                 f"{options.capacity_setting}: {capacity_bytes / 2**30:.3f} GiB "
                 f"per worker is less than one chunk slot "
-                f"({self.geometry.slot_disk_bytes} bytes); raise the capacity"
+                f"({self.geometry.slot_disk_bytes / 2**20:.1f} MiB: LMCache's "
+                f"chunk, or {options.slot_setting} where set); raise "
+                f"{options.capacity_setting} or lower {options.slot_setting}"
             )
         self._lock = threading.Lock()
         #: what is stored where; read or change it only under the tier's lock

@@ -119,12 +119,25 @@ def open_tier_file(name: str, flags: int, mode: int, setting: str) -> int:
             f"{setting}: {exc}; tier files are only regular files: remove it"
         ) from None
     except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise ConfigError(
-            f"{setting}: {name} is a symbolic link; tier files are never "
-            "opened through links: remove it"
-        ) from None
+        raise ConfigError(f"{setting}: {_why_not_opened(name, exc)}") from None
+
+
+def _why_not_opened(name: str, exc: OSError) -> str:
+    """What is wrong with tier file ``name`` that ``open`` refused, and the fix."""
+    if exc.errno == errno.ELOOP:
+        return (
+            f"{name} is a symbolic link; tier files are never opened through "
+            "links: remove it"
+        )
+    if exc.errno == errno.EISDIR:
+        return f"{name} is a directory; tier files are only regular files: remove it"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (
+            f"cannot open {name}: {exc.strerror}; give the user LMCache runs as "
+            "read and write access to it and its directory (chmod, chown, a "
+            "writable mount), or remove it"
+        )
+    return f"cannot open {name}: {exc.strerror}"
 
 
 def take_lock(fd: int, setting: str, name: str, what: str = "is held") -> None:
@@ -293,10 +306,19 @@ class TierFileSet:
         """Stop the engine and close the files and the locks (idempotent)."""
         if not self.fds:
             return
-        self.engine.close()
-        for fd in [*self.fds, *self._lock_fds]:
-            os.close(fd)
-        self.fds, self._lock_fds = [], []
+        fds, self.fds, self._lock_fds = [*self.fds, *self._lock_fds], [], []
+        try:
+            self.engine.close()
+        finally:
+            failed = []
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError as exc:
+                    failed.append(f"{fd}: {exc.strerror}")
+            if failed:
+                # someone else closed a descriptor of ours: a bug to report
+                raise OSError(f"closing tier {self.options.name}'s files: {failed}")
 
     def missing(self) -> str | None:
         """The first of the files that is no longer at its path."""
@@ -412,7 +434,7 @@ class TierFileSet:
         header_fd = self.fds[self.header_file]
         size = os.fstat(header_fd).st_size
         block = aligned_buffer(HEADER_SIZE)
-        on_disk, sealed = None, False
+        on_disk, sealed, written_with = None, False, ""
         if size:
             request = IORequest(self.header_file, 0, block)
             (got,) = self.submit([request], write=False).result()
@@ -423,6 +445,7 @@ class TierFileSet:
             if got == HEADER_SIZE:
                 on_disk = Geometry.decode_superblock(block)
                 sealed = Geometry.superblock_sealed(block)
+                written_with = Geometry.describe_superblock(block) if sealed else ""
         if on_disk == self.geometry:
             try:
                 return self._scan(size, max_slots)
@@ -434,11 +457,11 @@ class TierFileSet:
             return self._unreadable("its superblock is damaged")
         if sealed:
             logger.warning(
-                "tier %s: %s was written with another layout (%s, now %s); "
-                "starting the tier empty",
+                "tier %s: %s was written with other settings or another release "
+                "(%s; now %s): starting the tier empty, its chunks are dropped",
                 self.options.name,
-                self.options.paths[0],
-                on_disk,
+                self.names[-1],
+                written_with,
                 self.geometry,
             )
         for fd in self.fds:
@@ -468,16 +491,14 @@ class TierFileSet:
 
     def _scan(self, size: int, max_slots: int) -> Loaded:
         """Every valid header, the newest per key; Unreadable if a read
-        fails (a read-only tier takes a failed read as the file's end)."""
+        fails (a read-only tier takes a failed read as the file's end).
+        Damaged records are dropped with one summary line."""
         header = self.names[self.header_file]
+        damage: list[str] = []
         if size % HEADER_SIZE:
-            self.stats.corrupt += 1  # a header cut by a truncated file
-            logger.warning(
-                "tier %s: %s ends inside the header of slot %d (truncated file); "
-                "records from there on are lost",
-                self.options.name,
-                header,
-                size // HEADER_SIZE - 1,
+            damage.append(
+                f"{header} ends inside the header of slot {size // HEADER_SIZE - 1} "
+                "(truncated): later records are lost"
             )
         buffer = aligned_buffer(SCAN_BYTES)
 
@@ -495,8 +516,26 @@ class TierFileSet:
         slots = min(size // HEADER_SIZE - 1, max_slots)
         blocks, slots = scan_headers(read, slots, self.geometry.max_payload)
         found = [(s, h) for s, h in blocks if not isinstance(h, CorruptRecord)]
-        self.stats.corrupt += len(blocks) - len(found)
-        live, _ = newest(self._within_slabs(found), lambda record: record[1])
+        if bad := len(blocks) - len(found):
+            damage.append(f"{bad} damaged headers in {header}")
+        whole = self._within_slabs(found)
+        if cut := len(found) - len(whole):
+            damage.append(
+                f"{cut} records running past the end of a slab (truncated or "
+                f"replaced): {', '.join(self.names[: self.header_file])}"
+            )
+        self.stats.corrupt += bad + cut + (1 if size % HEADER_SIZE else 0)
+        if damage:
+            logger.log(
+                logging.DEBUG if self.read_only else logging.WARNING,
+                "tier %s: dropped at start-up, their slots reused: %s; inspect "
+                "them with `lmcache-tiered fsck %s --owner %s`",
+                self.options.name,
+                "; ".join(damage),
+                " ".join(self.options.paths),
+                self.owner,
+            )
+        live, _ = newest(whole, lambda record: record[1])
         logger.log(
             logging.DEBUG if self.read_only else logging.INFO,
             "tier %s: recovered %d chunks from %s",
@@ -509,10 +548,10 @@ class TierFileSet:
     def _within_slabs(
         self, found: list[tuple[int, RecordHeader]]
     ) -> list[tuple[int, RecordHeader]]:
-        """The records whose payload lies inside the slabs; the others (a slab
-        truncated, or replaced by an empty one) are counted and left out."""
+        """The records whose payload lies inside the slabs (a slab may have
+        been truncated, or replaced by an empty one)."""
         sizes = [os.fstat(fd).st_size for fd in self.fds[: self.header_file]]
-        whole = [
+        return [
             (slot, header)
             for slot, header in found
             if all(
@@ -520,12 +559,3 @@ class TierFileSet:
                 for e in self.geometry.extents(slot, header.payload_size)
             )
         ]
-        if cut := len(found) - len(whole):
-            self.stats.corrupt += cut
-            logger.warning(
-                "tier %s: %d chunks run past the end of a slab (truncated or "
-                "replaced file); dropped",
-                self.options.name,
-                cut,
-            )
-        return whole

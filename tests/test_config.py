@@ -78,6 +78,8 @@ def test_issue_example_keys_and_comma_string(tmp_path: Path) -> None:
             r"stripe_kb: 2048 KiB is larger than a chunk slot \(tiered.slot_mb: 1 "
             r"MiB\): give at most 1024",
         ),
+        # a 10 TB slot is a typo, not a capacity too small for it
+        ({"tiered.slot_mb": 1e7}, "tiered.slot_mb: must be between 0.00390625 and"),
         ({"tiered.warmup.tick_ms": 1e-9}, "tiered.warmup.tick_ms: must be at least 1"),
         ({"tiered.file_mode": "rw"}, "tiered.file_mode: expected octal"),
         ({"tiered.warmup.hot_fraction": 2}, "tiered.warmup.hot_fraction: must be"),

@@ -431,12 +431,25 @@ def test_damaged_records_are_counted_misses_and_the_rest_serves(
             served = read_all(tier, list(range(6)), chunks, verdict)
             assert served == set(range(6)) - bad
             assert not any(tier.contains(key(i)) for i in bad)  # dropped
+            summaries = [
+                r.getMessage()
+                for r in caplog.records
+                if "dropped at start-up" in r.getMessage()
+            ]
             if damage is older_superblock:
-                assert "another layout" in caplog.text
-            elif damage is truncated_header_file:
-                assert tier.stats.corrupt == 1  # one cut header; the rest is gone
-            else:
+                # the version it found, not "another layout (None, ...)"
+                assert "(format version 0; this release writes" in caplog.text
+                assert "None" not in caplog.text
+            elif damage is flip_payload:
+                assert summaries == []  # found when read, by its checksum
                 assert tier.stats.corrupt == len(bad)
+            else:
+                # one line: what was dropped, and how to look at it
+                assert len(summaries) == 1, summaries
+                assert "`lmcache-tiered fsck " in summaries[0]
+                # a cut header file: one cut header counted, the rest is gone
+                cut = damage is truncated_header_file
+                assert tier.stats.corrupt == (1 if cut else len(bad))
             assert chunks.store(tier, sorted(bad)) == [True] * len(bad)
             assert read_all(tier, sorted(bad), chunks, verdict) == bad
         finally:

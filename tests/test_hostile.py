@@ -191,6 +191,40 @@ def test_a_hard_linked_slab_is_refused(device_dirs: list[Path]) -> None:
         open_tier(device_dirs, 8)
 
 
+def test_a_directory_where_a_tier_file_belongs_is_named_with_the_fix(
+    device_dirs: list[Path],
+) -> None:
+    """Not a bare ``[Errno 21]``: the setting, the file and what to do."""
+    (device_dirs[1] / "kv-w0.slab").mkdir()
+    with pytest.raises(ConfigError) as error:
+        open_tier(device_dirs, 8)
+    slab = device_dirs[1] / "kv-w0.slab"
+    assert str(error.value) == (
+        f"tiered.warm.paths: {slab} is a directory; tier files are only "
+        "regular files: remove it"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chattr +i needs root")
+def test_a_tier_file_that_cannot_be_opened_is_named_with_the_fix(
+    device_dirs: list[Path],
+) -> None:
+    """An immutable slab refuses even root's write open (EPERM, as a mode-000
+    file does to a user): the setting, the file and what to do."""
+    open_tier(device_dirs, 8).close()
+    slab = device_dirs[0] / "kv-w0.slab"
+    subprocess.run(["chattr", "+i", str(slab)], check=True)
+    try:
+        with pytest.raises(ConfigError) as error:
+            open_tier(device_dirs, 8)
+    finally:
+        subprocess.run(["chattr", "-i", str(slab)], check=True)
+    assert str(error.value).startswith(
+        f"tiered.warm.paths: cannot open {slab}: Operation not permitted; give "
+        "the user LMCache runs as read and write access"
+    )
+
+
 # ---------------------------------------------------- planted files
 
 
