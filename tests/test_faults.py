@@ -1211,3 +1211,26 @@ def test_any_value_of_any_setting_is_a_config_or_a_clear_error(
 if __name__ == "__main__" and sys.argv[1] == "crash-child":
     paths_arg, first_arg, slots_arg, fsync_arg = sys.argv[2:6]
     crash_child(paths_arg.split(","), int(first_arg), int(slots_arg), fsync_arg == "1")
+
+
+def test_a_part_that_fails_to_close_does_not_keep_the_others_open(
+    device_dirs: list[Path], cold_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Warm's close raising (as a descriptor someone else closed makes it):
+    logged with the part named, and cold is closed all the same (a store
+    tier left open keeps probing its store for good)."""
+    config = tiered_config(device_dirs, **{"cold.paths": [str(cold_dir)]})
+    cache = open_cache(config, Chunks())
+    cold = cache.tiers["cold"]
+    assert isinstance(cold, Tier) and cold.files.fds
+    warm_close = cache.warm.close
+
+    def failing_close() -> None:
+        warm_close()
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    cache.warm.close = failing_close  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="lmcache_tiered"):
+        cache.close()
+    assert "closing tier warm failed" in caplog.text
+    assert cold.files.fds == []  # closed after warm's failure
