@@ -469,7 +469,12 @@ class TieredCache:
         return {
             "tiers": {
                 name: asdict(t.stats)
-                | {"used_bytes": t.used_bytes, "chunks": len(t), "degraded": t.degraded}
+                | {
+                    "used_bytes": t.used_bytes,
+                    "chunks": len(t),
+                    "degraded": t.degraded,
+                    "writes_refused": t.writes_refused,
+                }
                 for name, t in self.tiers.items()
             },
             "warmup": warmup,

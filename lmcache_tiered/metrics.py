@@ -144,6 +144,11 @@ class TieredCollector(Collector):
             "1 while the tier is degraded (its I/O failing: skipped, probed)",
             labels=tier_labels,
         )
+        refused = GaugeMetricFamily(
+            "lmcache_tiered_tier_writes_refused",
+            "1 while the tier refuses writes but serves reads (a full store)",
+            labels=tier_labels,
+        )
         latency = HistogramMetricFamily(
             "lmcache_tiered_tier_read_seconds", "chunk read latency", labels=tier_labels
         )
@@ -151,6 +156,8 @@ class TieredCollector(Collector):
             for tier, stats in snap["tiers"].items():
                 used.add_metric([label, tier], stats["used_bytes"])
                 degraded.add_metric([label, tier], float(stats["degraded"] is not None))
+                refusing = float(stats["writes_refused"] is not None)
+                refused.add_metric([label, tier], refusing)
                 histogram = stats["read_latency"]
                 counts = itertools.accumulate(histogram["counts"])
                 bounds = (*LATENCY_BOUNDS_S, float("inf"))
@@ -158,6 +165,7 @@ class TieredCollector(Collector):
                 latency.add_metric([label, tier], buckets, histogram["total_s"])
         yield used
         yield degraded
+        yield refused
         yield latency
         from_hot = CounterMetricFamily(
             "lmcache_tiered_reads_from_hot",

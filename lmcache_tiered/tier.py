@@ -167,6 +167,12 @@ class Tier:
         return self.health.degraded
 
     @property
+    def writes_refused(self) -> str | None:
+        """Always None: a full file system stops the tier growing, it does
+        not refuse writes into the slots it has."""
+        return None
+
+    @property
     def max_slots(self) -> int:
         return self.index.max_slots
 

@@ -69,6 +69,11 @@ class StorageTier(Protocol):
         """Why the tier serves nothing now (None: healthy)."""
 
     @property
+    def writes_refused(self) -> str | None:
+        """Why the tier takes no writes while it serves reads (None: it
+        takes them)."""
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of storage the tier holds."""
 

@@ -749,6 +749,7 @@ def test_a_store_refusing_writes_keeps_serving_reads(
     time.sleep(4 * adapter_tier.PROBE_S)  # several checks run meanwhile
     assert cold.degraded is None and cold.writes_refused is not None
     assert cold.writes_refused.startswith("since ")
+    assert cache.snapshot()["tiers"]["cold"]["writes_refused"] == cold.writes_refused
     testing.clear_cpu_tier(engine)
     out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
@@ -758,6 +759,7 @@ def test_a_store_refusing_writes_keeps_serving_reads(
 
     redis.cli("config", "set", "maxmemory", "0")
     wait_until(lambda: cold.writes_refused is None, timeout=4 * adapter_tier.PROBE_S)
+    assert cache.snapshot()["tiers"]["cold"]["writes_refused"] is None
     lines = [r.getMessage() for r in caplog.records]
     assert sum("takes writes again" in m for m in lines) == 1, lines
     served_from_the_store_again(engine, connector, cache, seed=81)

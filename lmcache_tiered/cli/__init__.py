@@ -1,0 +1,86 @@
+"""The ``lmcache-tiered`` command: one subcommand per job.
+
+Each subcommand has a module here that holds only its command line: its help
+text (the docstring), ``SUMMARY`` (one line), ``add_arguments(parser)`` and
+``RUN``, the ``module:function`` that does the job, imported only when the
+subcommand runs (``args.func`` does). These modules import neither torch nor LMCache, so
+``--help`` answers at once (a test holds them to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+#: subcommands, in the order ``--help`` lists them
+COMMANDS = ("bench", "serve-bench", "diskbench", "inspect", "fsck", "warmup", "soak")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help text as written, each option's default at the end of its help
+    unless the help says it already or there is none (None, a flag off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def command_module(name: str) -> ModuleType:
+    """The command-line module of subcommand ``name``."""
+    return importlib.import_module(f"lmcache_tiered.cli.{name.replace('-', '_')}")
+
+
+def run_command(target: str, args: argparse.Namespace) -> int:
+    """Import ``target`` (``module:function``) and run it on ``args``."""
+    module_name, _, function = target.partition(":")
+    return int(getattr(importlib.import_module(module_name), function)(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache-tiered",
+        description="Striped NVMe tiers and warm-up for LMCache: benchmarks and tools.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO (default WARNING)"
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        module = command_module(name)
+        sub = subparsers.add_parser(
+            name,
+            help=module.SUMMARY,
+            description=module.__doc__,
+            formatter_class=HelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(func=functools.partial(run_command, module.RUN))
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed as the command line would be."""
+    return build_parser().parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    level = logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # LMCache's loggers read this when they are made (at import, which comes
+    # after this point) and print to stderr on their own: at the level chosen
+    # here unless the user set it
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", logging.getLevelName(level))
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
