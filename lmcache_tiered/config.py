@@ -24,7 +24,7 @@ logger = logging.getLogger("lmcache_tiered")
 
 PREFIX = "tiered."
 #: The warm-up policy when none is set: the one ``lmcache-tiered bench`` shows
-#: best overall (see README, "Trace replay"): on the measured workloads no
+#: best overall (docs/bench.md): on the measured workloads no
 #: policy beat plain demand reads.
 DEFAULT_POLICY = "none"
 GIB = 1 << 30
@@ -184,120 +184,177 @@ def _parse_mode(key: str, value: Any) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One ``tiered.*`` key: how to parse it, its default and what it means."""
+    """One ``tiered.*`` key: how to parse it, its default and what it means
+    (the configuration reference in docs/configuration.md is made of these).
+    ``shown`` says the default in words where it is computed at start."""
 
     parse: Callable[[str, Any], Any]
     default: Any
     help: str
+    shown: str | None = None
 
 
 #: Every accepted key (without the ``tiered.`` prefix). Warm-up policy
 #: parameters (``tiered.warmup.<policy>.<param>``) are passed to the policy.
 SETTINGS: dict[str, Setting] = {
     "warm.paths": Setting(
-        _parse_paths, None, "directories of the warm tier, one per NVMe device"
+        _parse_paths,
+        None,
+        "directories of the warm tier, one per NVMe device; a list or a "
+        "comma-separated string",
+        "(required)",
     ),
     "warm.capacity_gb": Setting(
-        _positive(_parse_float), 100.0, "cap on bytes stored by the warm tier (host)"
+        _positive(_parse_float),
+        100.0,
+        "cap on bytes stored by the warm tier (host); a WARNING at start where it "
+        "is more than the file systems under `warm.paths` hold",
     ),
     "cold.paths": Setting(
-        _parse_paths, None, "directories of the cold tier (NVMe-oF, shared FS)"
+        _parse_paths,
+        None,
+        "directories of the cold tier (NVMe-oF, shared FS); without it there are "
+        "two tiers",
+        "none",
     ),
     "cold.adapter": Setting(
         _parse_adapter,
         None,
-        "instead of cold.paths: a store, as the JSON of LMCache's --l2-adapter",
+        "instead of `cold.paths`: the cold tier on a store, as the JSON LMCache's "
+        "`--l2-adapter` takes (text, or a mapping in YAML)",
+        "none",
     ),
     "cold.capacity_gb": Setting(
         _positive(_parse_float), 1000.0, "cap on bytes stored by the cold tier"
     ),
-    "io_engine": Setting(
-        _choice("auto", "uring", "threads"), "auto", "auto | uring | threads"
-    ),
-    "register_cpu_pool": Setting(
-        _choice("auto", "always", "never"),
-        "auto",
-        "register LMCache's CPU pool as io_uring fixed buffers: auto (when LMCache "
-        "pinned it, as on GPU hosts) | always (also a pageable pool: commits its "
-        "memory at start-up) | never",
-    ),
-    "queue_depth": Setting(
-        _in_range(_positive(_parse_int), 1, MAX_QUEUE_DEPTH),
-        64,
-        "I/O requests kept in flight per tier (each engine caps it lower)",
-    ),
-    "stripe_kb": Setting(
-        _in_range(_parse_int, 4, MAX_STRIPE_KB),
-        1024,
-        "largest stripe unit in KiB (multiple of 4; a chunk splits into whole "
-        "rows of units over the tier's devices)",
-    ),
-    "direct_io": Setting(_parse_bool, True, "use O_DIRECT (page cache bypass)"),
-    "slot_mb": Setting(
-        # at least one 4 KiB block: a smaller slot cannot be planned
-        _in_range(_parse_float, 4 / 1024, MAX_SLOT_MB),
-        None,
-        "largest chunk in MiB; default: LMCache's full chunk size",
-    ),
-    "verify_reads": Setting(
-        _parse_bool, True, "check each chunk's CRC32 before serving it"
-    ),
-    "fsync": Setting(
-        _parse_bool,
-        False,
-        "fdatasync each write batch before it is acknowledged (power-loss safe)",
+    "cold.write": Setting(
+        _choice("back", "through"),
+        "back",
+        "`back`: warm evictions move to cold; `through`: every put goes to both "
+        "(use it for a cold tier that several hosts share)",
     ),
     "host_id": Setting(
         _parse_host_id,
         None,
-        "this host's name in a shared cold tier's file names (default: hostname)",
+        "this host's name in a shared cold tier's file names; set it where "
+        "hostnames change across restarts (containers)",
+        "the hostname",
     ),
-    "cold.write": Setting(
-        _choice("back", "through"),
-        "back",
-        "back: warm evictions move to cold; through: every put goes to both",
+    "io_engine": Setting(
+        _choice("auto", "uring", "threads"),
+        "auto",
+        "`auto` (io_uring if a child process proved it works here, else threads "
+        "with an ERROR line; a tier whose probe has not answered within 2 s starts "
+        "on threads and moves to io_uring when it passes) | `uring` | `threads`",
     ),
-    "warm.admit_after_hits": Setting(
-        _in_range(_parse_int, 0),
-        0,
-        "write a chunk to NVMe only once it was seen this often (frequency policy)",
+    "register_cpu_pool": Setting(
+        _choice("auto", "always", "never"),
+        "auto",
+        "register LMCache's CPU pool as io_uring fixed buffers (reads pin no pages "
+        "per request): `auto` when LMCache pinned it (GPU hosts) | `always`, also "
+        "a pageable pool (CPU-only hosts: commits the pool's memory at start-up) "
+        "| `never`",
+    ),
+    "queue_depth": Setting(
+        _in_range(_positive(_parse_int), 1, MAX_QUEUE_DEPTH),
+        64,
+        f"I/O requests kept in flight per tier; at most {MAX_QUEUE_DEPTH} (the "
+        "kernel's io_uring limit), each engine caps it lower",
+    ),
+    "stripe_kb": Setting(
+        _in_range(_parse_int, 4, MAX_STRIPE_KB),
+        1024,
+        f"largest stripe unit in KiB (multiple of 4, 4 to {MAX_STRIPE_KB:,}, at "
+        "most `slot_mb` where that is set); the unit is chosen so a chunk fills "
+        "whole rows of devices",
+    ),
+    "direct_io": Setting(
+        _parse_bool,
+        True,
+        "O_DIRECT; falls back to buffered I/O with a warning where the file "
+        "system refuses it",
+    ),
+    "slot_mb": Setting(
+        # at least one 4 KiB block: a smaller slot cannot be planned
+        _in_range(_parse_float, 4 / 1024, MAX_SLOT_MB),
+        None,
+        "largest chunk stored, in MiB; bigger ones are dropped and counted; less "
+        "than one full chunk is refused at start",
+        "LMCache's full chunk size",
+    ),
+    "verify_reads": Setting(
+        _parse_bool,
+        True,
+        "check each chunk's CRC32C before serving it (records recovered after a "
+        "restart are always checked on first read)",
+    ),
+    "fsync": Setting(
+        _parse_bool,
+        False,
+        "fdatasync each write batch before it is acknowledged (power-loss safe; "
+        "see the design page, Durability)",
+    ),
+    "file_mode": Setting(
+        _parse_mode,
+        0o600,
+        "permission bits of data files (0660 for a cold tier shared by a group); "
+        'the owner must keep read and write; quote it in YAML (`"0660"`: a bare '
+        "`660` is a decimal number)",
+        "0600",
     ),
     "warmup.policy": Setting(
         lambda key, value: str(value).strip(),
         DEFAULT_POLICY,
-        "warm-up policy name (entry point group lmcache_tiered.warmup_policies)",
+        "warm-up policy name (entry point group `lmcache_tiered.warmup_policies`; "
+        "see Warm-up policies)",
     ),
     "warmup.bandwidth_mbps": Setting(
-        _positive(_parse_float), None, "cap on warm-up reads in MB/s (default: none)"
-    ),
-    "warmup.hot_fraction": Setting(
-        _fraction,
-        0.25,
-        "share of the CPU tier that promotions, pinned until used, may fill",
+        _positive(_parse_float), None, "cap on warm-up reads, MB/s", "unlimited"
     ),
     "warmup.min_precision": Setting(
         _fraction,
         0.25,
-        "below this share of recent promotions to hot used, the policy is held "
-        "back to one unit of work in eight until it recovers (0: never)",
+        "benefit guard: while fewer than this share of the last 256 promotions to "
+        "hot were used before LMCache dropped them, only one unit of warm-up work "
+        "in 8 runs (0: off)",
+    ),
+    "warmup.hot_fraction": Setting(
+        _fraction,
+        0.25,
+        "share of the CPU tier that promotions, pinned until used or expired, may "
+        "fill; those needed sooner displace those needed later",
     ),
     "warmup.tick_ms": Setting(
         # below 1 ms an idle engine spins (1e-9 burnt a third of a core)
         _in_range(_parse_float, 1.0),
         50.0,
-        "period of the policies' on_tick event (at least 1)",
+        "period of the policies' tick event, ms (at least 1)",
     ),
     "warmup.hint_port": Setting(
         _in_range(_parse_int, -1, 65535),
         -1,
-        "loopback port of the arrival-hint endpoint (0: any free port, -1: off)",
+        "loopback port of the arrival-hint endpoint (0: any free port); worker "
+        "*k* on a host listens on port + *k*",
+        "-1 (off)",
     ),
-    "file_mode": Setting(
-        _parse_mode,
-        0o600,
-        "permission bits of data files, octal (0660 for a group-shared tier)",
+    "warm.admit_after_hits": Setting(
+        _in_range(_parse_int, 0),
+        0,
+        "with the `frequency` policy: write a chunk to NVMe only once it was seen "
+        "this often",
+        "0 (admit all)",
     ),
 }
+
+
+def plugin_extra_config(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """LMCache's ``extra_config`` that loads this package as its ``tiered``
+    storage plugin with ``settings`` (``tiered.*`` keys)."""
+    return {
+        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
+        "storage_plugin.tiered.class_name": "TieredBackend",
+        **settings,
+    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.cache import TieredCache
 from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.config import plugin_extra_config as loading_config
 from lmcache_tiered.tier import Tier
 
 ENGINES = ["uring", "threads"]
@@ -28,14 +29,14 @@ settings.load_profile("no-deadline")
 
 def plugin_extra_config(paths: list[Path], **settings: Any) -> dict[str, Any]:
     """LMCache extra_config that loads TieredBackend over ``paths``."""
-    extra: dict[str, Any] = {
-        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
-        "storage_plugin.tiered.class_name": "TieredBackend",
-        "tiered.warm.paths": [str(p) for p in paths],
-        "tiered.warm.capacity_gb": 0.25,
-        # deterministic reads unless a test asks for a warm-up policy
-        "tiered.warmup.policy": "none",
-    }
+    extra = loading_config(
+        {
+            "tiered.warm.paths": [str(p) for p in paths],
+            "tiered.warm.capacity_gb": 0.25,
+            # deterministic reads unless a test asks for a warm-up policy
+            "tiered.warmup.policy": "none",
+        }
+    )
     extra.update({f"tiered.{k}": v for k, v in settings.items()})
     return extra
 

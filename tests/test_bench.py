@@ -37,6 +37,7 @@ from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE, GpuPrefixC
 from lmcache_tiered.bench.devices import Device, DeviceSpec, model_tier
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
+from lmcache_tiered.cli import bench as cli_bench
 
 CHUNK = scenario.CHUNK_TOKENS
 #: 128 KV bytes per token: 32 KiB chunks; no GPU prefix cache unless a test
@@ -234,10 +235,8 @@ def bench_argv(tmp_path: Path, trace_path: Path) -> list[str]:
 
 
 def bench_args(tmp_path: Path, trace_path: Path, *extra: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    command.add_parser(parser.add_subparsers())
     argv = bench_argv(tmp_path, trace_path)
-    return parser.parse_args([*argv, "--plot", str(tmp_path / "bench.png"), *extra])
+    return cli.parse_args([*argv, "--plot", str(tmp_path / "bench.png"), *extra])
 
 
 def session_trace(tmp_path: Path) -> Path:
@@ -456,7 +455,7 @@ def test_default_run_writes_the_picture_and_says_what_it_compared(
     argv = bench_argv(tmp_path, session_trace(tmp_path))
     assert cli.main([*argv, "--policies", "none,hinted", "--json", "r.json"]) == 0
     out = capsys.readouterr().out
-    picture = tmp_path / command.DEFAULT_PLOT
+    picture = tmp_path / cli_bench.DEFAULT_PLOT
     assert f"picture: {picture}" in out.splitlines()
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert picture.stat().st_size > 20_000  # three panels drawn, not a blank page
@@ -1128,7 +1127,7 @@ def test_preset_sets_what_the_command_line_left_at_its_default(
     args = bench_args(
         tmp_path, session_trace(tmp_path), "--preset", "seed-r2", "--cold-link", "1,1"
     )
-    presets.apply(args.preset, args, args.preset_defaults, command.PRESET_PARSE)
+    presets.apply(args.preset, args, args.preset_defaults, cli_bench.PRESET_PARSE)
     assert args.workload == "long"
     # given on the command line: kept
     assert args.cold_link == DeviceSpec(1.0, 0.001)
@@ -1136,10 +1135,8 @@ def test_preset_sets_what_the_command_line_left_at_its_default(
 
 
 def test_seed_preset_without_overrides_is_the_documented_point(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--preset", "seed-r2"])
-    presets.apply(args.preset, args, args.preset_defaults, command.PRESET_PARSE)
+    args = cli.parse_args(["bench", "--preset", "seed-r2"])
+    presets.apply(args.preset, args, args.preset_defaults, cli_bench.PRESET_PARSE)
     assert (args.profile, args.workload, args.kv_scale) == (
         "qwen3-coder-480b-fp8-tp8",
         "long",

@@ -11,12 +11,12 @@ modelled drives.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
 
-from lmcache_tiered.bench import command, report, scenario, variants
+from lmcache_tiered import cli
+from lmcache_tiered.bench import report, scenario, variants
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 
 #: Three 1k-token documents read once, then nine times again (each with a
@@ -59,9 +59,7 @@ def summaries_at(tmp_path: Path, scale: int) -> dict[str, dict[str, Any]]:
     drives = [tmp_path / f"d{scale}-{i}" for i in range(2)]
     for drive in drives:
         drive.mkdir()
-    parser = argparse.ArgumentParser()
-    command.add_parser(parser.add_subparsers())
-    args = parser.parse_args(
+    args = cli.parse_args(
         [
             "bench",
             "--trace",

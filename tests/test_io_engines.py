@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import errno
 import logging
@@ -527,6 +528,24 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
     assert result["paired_ratios"]["mp_vs_tiered"] > 0
     assert "TieredL2Adapter / TieredBackend" in diskbench.table(result)
     assert list(tmp_path.iterdir()) == []  # every placement's files removed
+    # on tmpfs the "device ceiling" is memory's, and the table says so
+    assert result["in_memory_filesystems"] == [] and "memory" not in diskbench.table(
+        result
+    )
+    text = diskbench.table(result | {"in_memory_filesystems": ["tmpfs"]})
+    assert "memory (tmpfs: no device) ceiling" in text
+    assert "O_DIRECT reaches no device there" in text
+
+
+def test_diskbench_finds_the_in_memory_file_systems(tmp_path: Path) -> None:
+    from lmcache_tiered.bench import diskbench, rawio
+
+    if rawio.filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm on this machine")
+    on = argparse.Namespace(paths=f"{tmp_path},/dev/shm", workdir=None)
+    assert diskbench.in_memory_filesystems(on) == ["tmpfs"]
+    off = argparse.Namespace(paths=None, workdir=str(tmp_path))
+    assert diskbench.in_memory_filesystems(off) == []
 
 
 def test_auto_falls_back_when_the_ring_fails_in_this_process(

@@ -30,6 +30,9 @@ from lmcache_tiered.bench import trace
 
 #: The variant with vLLM's GPU prefix cache only: no LMCache at all.
 NO_EXTERNAL_CACHE = "no_external_cache"
+#: LMCache's stock disk backend (``LocalDiskBackend``) on one drive: what an
+#: LMCache user has today.
+LOCAL_DISK = "lmcache_local_disk"
 #: The bound on every cache: vLLM with unbounded HBM, so every reused token
 #: (a prefix some earlier request computed) is served at no cost at all.
 ALL_HOT = "all_hot_bound"

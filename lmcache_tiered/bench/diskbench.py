@@ -1,27 +1,10 @@
-"""``lmcache-tiered diskbench``: cold-read bandwidth of each way to store KV.
+"""What ``lmcache-tiered diskbench`` runs: the device ceiling, LMCache's disk
+backends and ``TieredBackend`` read cold on the same paths, placement by
+placement, round by round. Its options and help text are in
+:mod:`lmcache_tiered.cli.diskbench`.
 
-In one run, on the same paths and the same chunks:
-
-1. the device ceiling: fio (io_uring, O_DIRECT, iodepth 32) over the very
-   blocks that hold the tiered data (its slab files), else our raw loop;
-2. LMCache's stock ``LocalDiskBackend`` (``use_odirect: true``);
-3. LMCache's ``RustRawBlockBackend`` on a file, when its package is installed;
-4. ``TieredBackend``, with LMCache's CPU pool registered as io_uring fixed
-   buffers (``tiered.register_cpu_pool: always``), as it is on a GPU host,
-   where LMCache pins the pool; a CPU-only host's pool is pageable;
-5. with ``--mp``, the multi-process ``TieredL2Adapter``, as LMCache's
-   prefetch controller drives it (:mod:`lmcache_tiered.bench.mpbench`), on
-   files of its own, read after the others in every round.
-
-2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
-CPU tier is emptied and the page cache dropped, so every byte comes from disk.
-
-Where data lands matters as much as how it is read: two identical
-TieredBackends can read at steadily different speeds, depending only on the
-blocks their files got (README, "Disk", has the figures). So the comparison
-is repeated over ``--placements`` fresh sets of files (filled in a rotated
-order), with ``--rounds`` interleaved cold rounds on each; figures are
-medians over all rounds, and ratios are taken round by round.
+May touch: files under ``--paths`` / ``--workdir`` (removed at the end); the
+page cache (dropped between rounds).
 """
 
 from __future__ import annotations
@@ -45,7 +28,14 @@ import torch
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench import report
-from lmcache_tiered.bench.rawio import drop_page_cache, fio_read_gbps, raw_read_gbps
+from lmcache_tiered.bench.rawio import (
+    IN_MEMORY_FILESYSTEMS,
+    drop_page_cache,
+    filesystem_type,
+    fio_read_gbps,
+    raw_read_gbps,
+)
+from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.io.uring import UringEngine
 
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
@@ -111,18 +101,18 @@ def contenders(
             "tiered",
             "tiered",
             {"storage_plugins": ["tiered"]},
-            {
-                "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
-                "storage_plugin.tiered.class_name": "TieredBackend",
-                "tiered.warm.paths": paths,
-                "tiered.warm.capacity_gb": total_gb,
-                "tiered.io_engine": args.io_engine,
-                # as on a GPU host, where LMCache pins the pool and ``auto``
-                # registers it; a CPU-only host's pool is pageable
-                "tiered.register_cpu_pool": "always",
-                "tiered.queue_depth": args.queue_depth,
-                "tiered.warmup.policy": "none",
-            },
+            plugin_extra_config(
+                {
+                    "tiered.warm.paths": paths,
+                    "tiered.warm.capacity_gb": total_gb,
+                    "tiered.io_engine": args.io_engine,
+                    # as on a GPU host, where LMCache pins the pool and ``auto``
+                    # registers it; a CPU-only host's pool is pageable
+                    "tiered.register_cpu_pool": "always",
+                    "tiered.queue_depth": args.queue_depth,
+                    "tiered.warmup.policy": "none",
+                }
+            ),
             paths,
         ),
     ]
@@ -425,6 +415,13 @@ def paired_median(
     return statistics.median(ratios) if ratios else None
 
 
+def in_memory_filesystems(args: argparse.Namespace) -> list[str]:
+    """The in-memory file systems (tmpfs) among those the files are on."""
+    bases = (args.paths or args.workdir or tempfile.gettempdir()).split(",")
+    kinds = {filesystem_type(os.path.realpath(base)) for base in bases}
+    return sorted(kinds & set(IN_MEMORY_FILESYSTEMS))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     chunk_bytes = args.chunk_mb << 20
     n_requests = max(1, round(args.total_gb * 2**30 / (REQUEST_CHUNKS * chunk_bytes)))
@@ -459,6 +456,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "chunk_mb": args.chunk_mb,
         "chunks": n_requests * REQUEST_CHUNKS,
         "paths": args.paths.split(",") if args.paths else ["(a temporary directory)"],
+        "in_memory_filesystems": in_memory_filesystems(args),
         "io_engine": io_engine,
         "placements": args.placements,
         "rounds": args.rounds,
@@ -491,8 +489,10 @@ def table(result: dict[str, Any]) -> str:
     out = report.numbers_table(
         "path", "read GB/s", "x ceiling", "read CPU s/GB", "write GB/s"
     )
+    in_memory = result["in_memory_filesystems"]
+    ceiling = f"memory ({', '.join(in_memory)}: no device)" if in_memory else "device"
     out.add_row(
-        "device ceiling (" + result["device_ceiling_method"] + ")",
+        f"{ceiling} ceiling ({result['device_ceiling_method']})",
         f"{ceiling_gbps:.2f}",
         "1.00",
         "",
@@ -533,6 +533,12 @@ def table(result: dict[str, Any]) -> str:
         "tiered_vs_rust_raw_block": "RustRawBlockBackend",
     }
     ratios = result["paired_ratios"]
+    if in_memory:
+        lines.append(
+            f"note: the paths are on {', '.join(in_memory)}, in memory: O_DIRECT "
+            "reaches no device there, so every figure is memory's speed, not a "
+            "drive's; give --paths on the drives to measure"
+        )
     if result["rust_raw_block_unavailable"]:
         lines.append(f"RustRawBlockBackend n/a: {result['rust_raw_block_unavailable']}")
     lines.append(
@@ -542,7 +548,10 @@ def table(result: dict[str, Any]) -> str:
             for k, label in names.items()
             if ratios[k] is not None
         )
-        + " (medians of per-round ratios)"
+        + " (medians of per-round ratios: the two read in the same round, on "
+        "the same drives' state; they can differ from the ratio of the table's "
+        "medians, which come from different rounds, when rounds vary more than "
+        "the two differ)"
     )
     if ratios.get("mp_vs_tiered") is not None:
         lines.append(
@@ -569,42 +578,3 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
-
-
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "diskbench",
-        help="cold-read GB/s: device ceiling vs LMCache's disk tiers vs TieredBackend",
-    )
-    parser.add_argument(
-        "--paths",
-        help="comma-separated directories, one per device "
-        "(default: a temporary directory in --workdir)",
-    )
-    parser.add_argument(
-        "--workdir",
-        default=None,
-        help="where temporary files go (default: the system temp dir)",
-    )
-    parser.add_argument("--chunk-mb", type=int, default=4, help="chunk size in MiB")
-    parser.add_argument(
-        "--total-gb", type=float, default=1.0, help="data stored and read per backend"
-    )
-    parser.add_argument(
-        "--placements",
-        type=int,
-        default=3,
-        help="fresh sets of files, filled in a rotated order (default: 3)",
-    )
-    parser.add_argument(
-        "--rounds", type=int, default=2, help="interleaved cold rounds per placement"
-    )
-    parser.add_argument(
-        "--io-engine", default="auto", choices=["auto", "uring", "threads"]
-    )
-    parser.add_argument("--queue-depth", type=int, default=64)
-    parser.add_argument(
-        "--mp", action="store_true", help="also measure the multi-process L2 adapter"
-    )
-    parser.add_argument("--json", help="write the results to this JSON file")
-    parser.set_defaults(func=main)

@@ -84,13 +84,14 @@ def apply(
     parse: Mapping[str, Any],
 ) -> None:
     """Set the preset's settings on ``args`` where the command line left the
-    default; ``parse`` turns a setting's text into its value (as its
-    option's ``type`` would)."""
+    default (``defaults``, as the parser holds them); ``parse`` turns a
+    setting's text into its value (as its option's ``type`` would)."""
     if name is None:
         return
     for dest, value in PRESETS[name].settings.items():
-        if getattr(args, dest) == defaults[dest]:
-            setattr(args, dest, parse[dest](value) if dest in parse else value)
+        convert = parse.get(dest, lambda text: text)
+        if getattr(args, dest) == convert(defaults[dest]):
+            setattr(args, dest, convert(value))
 
 
 def targets_line(

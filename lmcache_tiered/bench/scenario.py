@@ -11,7 +11,6 @@ space (it only reads them); no engine, no tier.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -33,12 +32,12 @@ from lmcache_tiered.bench.profiles import (
     bench_shape,
     get_profile,
 )
+from lmcache_tiered.bench.rawio import IN_MEMORY_FILESYSTEMS, filesystem_type
+from lmcache_tiered.cli.bench import DEFAULT_WARM_DRIVES
+from lmcache_tiered.cli.shared import split_list
 
 #: LMCache's chunk size (tokens per key) in every variant.
 CHUNK_TOKENS = 256
-#: Warm drives (directories) when ``--warm`` names none: the deployment the
-#: plugin is built for stripes over several local NVMe drives.
-DEFAULT_WARM_DRIVES = 4
 GIB = 1 << 30
 
 
@@ -144,60 +143,13 @@ class Workload:
         return Workload(requests, [blocks.tokens(r) for r in requests], kv, seed)
 
 
-def split_list(text: str | None) -> list[str]:
-    """A comma-separated option's non-empty parts."""
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
-
-
 def default_base() -> str:
     """The temp directory, unless it is in memory (tmpfs): then the current one.
 
     Tiers must sit on a real disk for the I/O to mean anything.
     """
     base = tempfile.gettempdir()
-    return os.getcwd() if _filesystem_type(base) in ("tmpfs", "ramfs") else base
-
-
-def _filesystem_type(path: str) -> str:
-    best, kind = "", ""
-    with contextlib.suppress(OSError), open("/proc/mounts", encoding="utf-8") as mounts:
-        for line in mounts:
-            fields = line.split()
-            mount = fields[1]
-            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(
-                mount
-            ) > len(best):
-                best, kind = mount, fields[2]
-    return kind
-
-
-def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> None:
-    """The options :func:`load_requests` reads (bench and serve-bench)."""
-    load = parser.add_argument_group("workload")
-    load.add_argument(
-        "--trace",
-        metavar="FILE",
-        help="Mooncake JSON-lines trace (default: the built-in generator)",
-    )
-    load.add_argument(
-        "--workload",
-        choices=list(trace.WORKLOADS),
-        default=default,
-        help=f"built-in workload when no --trace is given (default: {default})",
-    )
-    load.add_argument(
-        "--limit", type=int, metavar="N", help="replay only the first N requests"
-    )
-    load.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        metavar="X",
-        help="multiply arrival and think times; < 1 is more load (default: 1)",
-    )
-    load.add_argument(
-        "--seed", type=int, default=0, help="generator and token seed (default: 0)"
-    )
+    return os.getcwd() if filesystem_type(base) in IN_MEMORY_FILESYSTEMS else base
 
 
 def load_requests(args: argparse.Namespace) -> list[trace.Request]:

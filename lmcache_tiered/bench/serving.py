@@ -1,7 +1,7 @@
 """The serving model of one variant: a modelled vLLM instance driving a real
 LMCache engine (the frontend thread, the engine loop with its slots, chunked
 prefill and decode steps on a GPU clock), as the bench's help describes it
-(:data:`lmcache_tiered.bench.command.DESCRIPTION`).
+(the help text of :mod:`lmcache_tiered.cli.bench`).
 
 May touch: the engine through LMCache's calls (lookup with pins, retrieve,
 store, unpin), its GPU connector's copies (timed), the backend's hint

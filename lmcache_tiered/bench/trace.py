@@ -21,8 +21,10 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported when tokens are made: the command line
+    import torch  # reads WORKLOADS from here and must not wait for it
 
 #: Tokens per Mooncake block (the unit of ``hash_ids``).
 BLOCK_TOKENS = 512
@@ -325,6 +327,8 @@ class TokenBlocks:
     def block(self, block_id: int) -> torch.Tensor:
         tokens = self._cache.get(block_id)
         if tokens is None:
+            import torch
+
             generator = torch.Generator().manual_seed((self.seed << 40) ^ block_id)
             tokens = torch.randint(
                 0, VOCAB, (BLOCK_TOKENS,), generator=generator, dtype=torch.long
@@ -334,6 +338,8 @@ class TokenBlocks:
 
     def tokens(self, request: Request) -> torch.Tensor:
         """The prompt's token ids (int64, ``input_length`` of them)."""
+        import torch
+
         blocks = [self.block(b) for b in request.hash_ids]
         return torch.cat(blocks)[: request.input_length]
 

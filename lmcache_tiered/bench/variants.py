@@ -29,7 +29,12 @@ from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import trace
-from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE, UNBOUNDED
+from lmcache_tiered.bench.baseline import (
+    ALL_HOT,
+    LOCAL_DISK,
+    NO_EXTERNAL_CACHE,
+    UNBOUNDED,
+)
 from lmcache_tiered.bench.devices import Device, model_disk_backend, model_tier
 from lmcache_tiered.bench.progress import (
     Progress,
@@ -41,11 +46,10 @@ from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
 from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.tier import Tier
 from lmcache_tiered.tierfiles import SHARED_FILE_SYSTEM_WARNING
 
-#: Name of the no-plugin baseline: LMCache's own LocalDiskBackend.
-LOCAL_DISK = "lmcache_local_disk"
 #: A variant named again runs again as NAME#2, NAME#3, ...: ``none,none`` is
 #: an A/A pair whose paired change is the bench's own run-to-run noise.
 TWIN_MARK = "#"
@@ -120,16 +124,16 @@ def engine_config(name: str, setup: Setup, dirs: VariantDirs) -> LMCacheEngineCo
             # O_DIRECT, as the plugin: the page cache must not serve reads
             extra_config={"use_odirect": True},
         )
-    extra: dict[str, Any] = {
-        "storage_plugin.tiered.module_path": "lmcache_tiered.backend",
-        "storage_plugin.tiered.class_name": "TieredBackend",
-        "tiered.warm.paths": dirs.warm,
-        "tiered.warm.capacity_gb": setup.warm_gb,
-        "tiered.io_engine": setup.io_engine,
-        "tiered.warmup.policy": policy,
-        # arrival hints reach the backend over loopback HTTP, as deployed
-        "tiered.warmup.hint_port": 0,
-    }
+    extra = plugin_extra_config(
+        {
+            "tiered.warm.paths": dirs.warm,
+            "tiered.warm.capacity_gb": setup.warm_gb,
+            "tiered.io_engine": setup.io_engine,
+            "tiered.warmup.policy": policy,
+            # arrival hints reach the backend over loopback HTTP, as deployed
+            "tiered.warmup.hint_port": 0,
+        }
+    )
     if dirs.cold:
         extra["tiered.cold.paths"] = dirs.cold
         extra["tiered.cold.capacity_gb"] = setup.cold_gb

@@ -19,7 +19,16 @@ from collections.abc import Sequence
 from types import ModuleType
 
 #: subcommands, in the order ``--help`` lists them
-COMMANDS = ("bench", "serve-bench", "diskbench", "inspect", "fsck", "warmup", "soak")
+COMMANDS = (
+    "bench",
+    "serve-bench",
+    "diskbench",
+    "inspect",
+    "fsck",
+    "warmup",
+    "demo",
+    "soak",
+)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -28,7 +37,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        unsaid = action.default is None or action.default is False
+        if "default" in text or unsaid or action.default == argparse.SUPPRESS:
             return text
         return f"{text} (default: %(default)s)".lstrip()
 
@@ -80,7 +90,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     # here unless the user set it
     os.environ.setdefault("LMCACHE_LOG_LEVEL", logging.getLevelName(level))
     return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

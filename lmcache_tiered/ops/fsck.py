@@ -1,16 +1,9 @@
-"""``lmcache-tiered fsck PATHS [--repair]``: check every record of a tier.
+"""What ``lmcache-tiered fsck`` runs: every record of a tier checked, the bad
+ones dropped with ``--repair``. Its options and help text are in
+:mod:`lmcache_tiered.cli.fsck`.
 
-Each header is decoded as a live tier does, and each record's payload read
-from the slabs and checked against its CRC32. Problems are listed one per
-line. ``--repair`` zeroes the header of every bad record (a live tier then
-sees a free slot; a stale older copy of the same key, if good, becomes the
-one served) and cuts a truncated header file to whole blocks. It takes the
-tier's lock and refuses while a live process holds it; without ``--repair``
-the files are only read.
-
-Exit status: 0 clean, 1 problems found (repaired or not), 2 could not check
-(bad arguments, missing or unreadable files, tier in use). An owner that
-cannot be checked is reported and the others are still checked.
+May touch: with ``--repair``, the tier's header file (bad headers zeroed, a
+torn tail cut); otherwise nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from lmcache_tiered.files import printable
 from lmcache_tiered.keys import key_text
@@ -27,28 +19,10 @@ from lmcache_tiered.ops.records import (
     Progress,
     TierFiles,
     ToolError,
-    add_tier_arguments,
     lock_holder,
     newest,
     owners,
 )
-
-
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "fsck",
-        help="verify every record's checksums; --repair drops bad ones",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_tier_arguments(parser)
-    parser.add_argument(
-        "--repair", action="store_true", help="drop bad records (needs the lock)"
-    )
-    parser.add_argument(
-        "--progress", action="store_true", help="progress bar even when not a tty"
-    )
-    parser.set_defaults(func=run)
 
 
 def check(files: TierFiles, show_progress: bool) -> list[tuple[int | None, str]]:

@@ -1,25 +1,8 @@
-"""``lmcache-tiered inspect PATHS | --config FILE``: what the tiers hold.
+"""What ``lmcache-tiered inspect`` runs: a summary of what a tier's files (or
+every tier a configuration names) hold, headers only. Its options and help
+text are in :mod:`lmcache_tiered.cli.inspect`.
 
-``PATHS`` are one tier's directories. ``--config`` takes the configuration
-a server runs with instead: LMCache's YAML (its ``extra_config``'s
-``tiered.*`` settings) or the ``--l2-adapter`` JSON of LMCache's
-multi-process server (``adapter_params``). Every tier it names is shown:
-warm and cold files as below, and a cold tier on a store
-(``tiered.cold.adapter`` / ``cold.adapter``) as :mod:`lmcache_tiered.ops.store`
-reports it: the adapter, whether the store answers, its own status, and its
-chunks where the adapter can list them.
-
-Per owner (one per LMCache worker): the layout, chunks and payload bytes,
-capacity in slots and disk bytes, oldest and newest record, and the groups
-(model and request tags, or cache salt) holding the most bytes. Only headers
-are read, so it is quick on a big tier and safe beside a live server (files
-opened read-only, no lock taken). ``--keys`` lists every stored key instead,
-newest first: the input ``warmup --keys`` takes. Text from the files (model
-names, owners) is printed with unprintable characters escaped (``\\x1b``),
-as ``warmup --keys`` reads it back.
-
-Exit status: 0 all read, 2 some owner could not be read or the store did not
-answer (reported; the others are still shown), or bad arguments or config.
+May touch: nothing (files opened read-only, no lock taken).
 """
 
 from __future__ import annotations
@@ -44,33 +27,6 @@ from lmcache_tiered.ops.records import (
 )
 
 GIB, MIB = 1 << 30, 1 << 20
-
-
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="summarise what a tier's files hold (read-only)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "paths", nargs="*", help="the tier's directories, in tiered.<tier>.paths order"
-    )
-    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
-    parser.add_argument(
-        "--config",
-        help="every tier a server's configuration names, files and store: LMCache's "
-        "YAML, or the multi-process server's --l2-adapter JSON",
-    )
-    parser.add_argument(
-        "--top", type=int, default=10, help="groups to list (default 10)"
-    )
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="machine-readable output")
-    output.add_argument(
-        "--keys", action="store_true", help="print every stored key, newest first"
-    )
-    parser.set_defaults(func=run)
 
 
 def summarise(files: TierFiles, top: int) -> dict[str, Any]:
@@ -140,7 +96,9 @@ def _text(report: dict[str, Any]) -> str:
         f"stale copies: {report['stale_copies']}",
         f"  capacity: {report['slots']} slots ({report['free_slots']} free), "
         f"{report['disk_bytes'] / GIB:.3f} GiB on disk",
-        f"  oldest: {report['oldest']}  newest: {report['newest']}",
+        f"  oldest: {report['oldest']}  newest: {report['newest']}"
+        if report["chunks"]
+        else "  no records yet",
     ]
     if report["top_groups"]:
         lines.append("  top groups by size:")

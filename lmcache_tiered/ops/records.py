@@ -16,7 +16,6 @@ is refused, so no size read from disk decides how much memory is taken.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import sys
@@ -282,11 +281,3 @@ class Progress:
         if self.enabled:
             self.update(self.total)
             self.out.write("\n")
-
-
-def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments that name a tier's files: its directories and an owner."""
-    parser.add_argument(
-        "paths", nargs="+", help="the tier's directories, in tiered.<tier>.paths order"
-    )
-    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")

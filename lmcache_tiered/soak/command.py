@@ -1,0 +1,427 @@
+"""What ``lmcache-tiered soak`` runs: a worker under load, faults on a
+schedule, samples, and the verdict. Its options and help text are in
+:mod:`lmcache_tiered.cli.soak`.
+
+May touch: the directories it is given (``--dir``, ``--warm``), removed at
+the end unless given; the redis-server it starts; the report files it is told.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from lmcache_tiered.config import plugin_extra_config
+from lmcache_tiered.soak.report import BACK_S, Fault, Sample, SoakResult, report
+from lmcache_tiered.soak.workload import CHUNK_TOKENS, Conversations
+
+#: Bytes on disk of one soak chunk (tiny model: 1 KiB per token) and header.
+_CHUNK_DISK_BYTES = CHUNK_TOKENS * 1024 + 8192
+#: Seconds the worker may take to close its engine when the soak ends.
+STOP_S = 120.0
+#: Error lines kept for the report (a 72-hour run could have many).
+MAX_ERRORS_KEPT = 50
+#: A progress line about this many times a run, at most every 10 minutes.
+PROGRESS_LINES, PROGRESS_MAX_S = 12, 600.0
+
+
+# ------------------------------------------------------------------- store
+
+
+class RedisServer:
+    """A redis-server on a free loopback port, no persistence: the soak's
+    cold store, which it stops, kills and restarts (empty)."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+            + ["--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def signal(self, signum: int) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signum)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def command(self, *words: str) -> str:
+        """Send one command (RESP); its reply's first line, as in ``+OK``."""
+        request = f"*{len(words)}\r\n" + "".join(f"${len(w)}\r\n{w}\r\n" for w in words)
+        with socket.create_connection(("127.0.0.1", self.port), 5) as conn:
+            conn.sendall(request.encode())
+            return conn.recv(4096).decode(errors="replace").split("\r\n")[0]
+
+    def fill(self, full: bool) -> None:
+        """Make the store full (every write refused, ``OOM command not
+        allowed``; reads served) or take writes again."""
+        self.command("config", "set", "maxmemory-policy", "noeviction")
+        reply = self.command("config", "set", "maxmemory", "1" if full else "0")
+        if reply != "+OK":
+            raise RuntimeError(f"redis-server refused CONFIG SET maxmemory: {reply}")
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return {"type": "resp", "host": "127.0.0.1", "port": self.port}
+
+
+# ------------------------------------------------------------------ worker
+
+
+class WorkerProcess:
+    """One worker: started on a spec file, its JSON lines on a queue."""
+
+    def __init__(self, spec: dict[str, Any], scratch: Path, log: IO[bytes]) -> None:
+        path = scratch / "worker.json"
+        path.write_text(json.dumps(spec))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_tiered.soak.worker", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        #: it checked what was acknowledged before and serves (its samples count)
+        self.ready = False
+        #: damaged records it found (a checksum that failed)
+        self.corrupt = 0
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.lines.put(json.loads(line))
+        self.lines.put(None)  # its end
+
+    def usage(self) -> tuple[int, int, int] | None:
+        """(RSS bytes, open files, threads) from /proc; None once it is gone."""
+        pid = self.proc.pid
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            files = len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            return None
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        rss = int(fields["VmRSS"].split()[0]) * 1024 if "VmRSS" in fields else 0
+        return rss, files, int(fields["Threads"])
+
+
+class Soak:
+    """The run: the schedule, the worker's lines, the samples."""
+
+    def __init__(self, args: argparse.Namespace, scratch: Path) -> None:
+        self.args = args
+        self.scratch = scratch
+        self.conversations = Conversations(args.conversations, args.blocks, args.seed)
+        self.result = SoakResult(duration_s=args.duration, faults_asked=args.faults)
+        self.acked: dict[str, int] = {}
+        #: conversations whose last chunk at that depth the worker damaged
+        self.damaged: dict[str, int] = {}
+        self.requests = 0
+        self.store: RedisServer | None = None
+        self.store_down = False
+        if args.store == "redis" or (
+            args.store == "auto" and shutil.which("redis-server")
+        ):
+            self.store = RedisServer()
+        self.result.store = "redis-server" if self.store else "none"
+        self.warm = args.warm or [str(scratch / "warm")]
+        for path in self.warm:
+            os.makedirs(path, exist_ok=True)
+        self.log = open(scratch / "worker.log", "ab")  # noqa: SIM115 (closed in run)
+        self.started = time.monotonic()
+        #: the same instant on the wall clock, which the worker's lines carry
+        self.started_wall = time.time()
+        self.worker = self._start_worker()
+
+    # ---------------------------------------------------------- the worker
+
+    def _extra_config(self) -> dict[str, Any]:
+        capacity_gb = self.args.warm_gb or (
+            1.25 * self.conversations.chunk_count * _CHUNK_DISK_BYTES / 2**30
+        )
+        extra = plugin_extra_config(
+            {"tiered.warm.paths": self.warm, "tiered.warm.capacity_gb": capacity_gb}
+        )
+        if self.store is not None:
+            extra["tiered.cold.adapter"] = self.store.spec
+            extra["tiered.cold.capacity_gb"] = capacity_gb
+            extra["tiered.cold.write"] = "through"
+        return extra
+
+    def _start_worker(self) -> WorkerProcess:
+        spec = {
+            "conversations": {
+                "count": self.conversations.count,
+                "blocks": self.conversations.blocks,
+                "seed": self.conversations.seed,
+            },
+            "hot_gb": self.args.hot_gb,
+            "extra_config": self._extra_config(),
+            "acked": self.acked,
+            "damaged": self.damaged,
+            # a new worker does not replay what the last one did
+            "first_request": self.requests + 1_000_000 * self.result.restarts,
+        }
+        return WorkerProcess(spec, self.scratch, self.log)
+
+    def _restart(self) -> None:
+        """A new worker for one that ended (its counts kept)."""
+        self.result.corrupt_seen += self.worker.corrupt
+        self.result.restarts += 1
+        self.worker = self._start_worker()
+
+    def _handle(self, line: dict[str, Any]) -> None:
+        kind = line["type"]
+        result = self.result
+        if kind == "ack":
+            name, depth = line["conversation"], line["depth"]
+            self.acked[name] = max(self.acked.get(name, 0), depth)
+            if depth >= self.damaged.get(name, depth + 1):
+                del self.damaged[name]  # the damaged chunk written anew
+            result.acked += 1
+        elif kind == "tick":
+            self.requests += line["ops"]
+            result.requests += line["ops"]
+            result.wrong_chunks += line["wrong_chunks"]
+            self.worker.corrupt = line["corrupt"]
+            result.slowest_read_s = max(result.slowest_read_s, line["slowest_read_s"])
+            cold = line["degraded"].get("cold") or line["refused"].get("cold")
+            # when the worker said it: a killed or closing worker's last
+            # lines are handled after it ended
+            said = line["t"] - self.started_wall
+            self._check_back(cold, said)
+            if line["slowest_read_s"] > self.args.stall:
+                result.stalls.append((said, line["slowest_read_s"]))
+        elif kind == "ready":
+            self.worker.ready = True
+            result.checked_chunks += line["checked_chunks"]
+            result.lost_chunks += line["lost_chunks"]
+            if line["lost_conversations"]:
+                result.notes.append(
+                    f"at {self.elapsed():.0f} s a new worker missed acknowledged "
+                    f"chunks of conversations {line['lost_conversations']}"
+                )
+            result.wrong_chunks += line["wrong_chunks"]
+        elif kind == "damaged":
+            self.damaged[line["conversation"]] = line["depth"]
+            result.damaged += 1
+        elif kind == "error":
+            result.unacknowledged += line["what"] == "put not acknowledged"
+            if len(result.errors) < MAX_ERRORS_KEPT:
+                result.errors.append(f"{line['what']}: {line['why']}")
+
+    def _check_back(self, degraded: str | None, said: float) -> None:
+        """A store that is back must be served again within BACK_S."""
+        outages = [f for f in self.result.faults if f.kind == "store"]
+        if degraded is None or self.store_down or not outages:
+            return
+        late = said - outages[-1].end
+        if late > BACK_S and outages[-1] not in self.result.not_back:
+            self.result.not_back.append(outages[-1])
+            self.result.notes.append(
+                f"cold tier still {degraded!r} {late:.0f} s after the store was back"
+            )
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def _drain(self, until: float) -> None:
+        """Handle the worker's lines until monotonic ``until``; a worker that
+        ended on its own is a failure, restarted."""
+        while (left := until - time.monotonic()) > 0:
+            try:
+                line = self.worker.lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is not None:
+                self._handle(line)
+                continue
+            code = self.worker.proc.wait()
+            self.result.deaths.append((self.elapsed(), code))
+            self._restart()
+
+    # ---------------------------------------------------------------- faults
+
+    def _fault(self, kind: str, count: int) -> Fault:
+        """Inject one fault; what it was, for the picture and the report."""
+        start = self.elapsed()
+        if kind == "kill":
+            self.worker.proc.kill()
+            self._drain_until_end()
+            self._restart()
+            return Fault(start, self.elapsed(), "kill", "SIGKILL, restarted")
+        if kind == "damage":
+            if not self.worker.ready:  # SIGUSR1 would kill it: no handler yet
+                return Fault(start, start, "damage", "skipped: the worker was starting")
+            self.worker.proc.send_signal(signal.SIGUSR1)
+            return Fault(start, start, "damage", "a payload byte flipped")
+        assert self.store is not None
+        self.store_down = True
+        if count % 3 == 0:
+            self.store.signal(signal.SIGSTOP)
+            self._drain(time.monotonic() + self.args.outage)
+            self.store.signal(signal.SIGCONT)
+            what = f"SIGSTOP {self.args.outage:g} s"
+        elif count % 3 == 2:
+            self.store.fill(True)
+            self._drain(time.monotonic() + self.args.outage)
+            self.store.fill(False)
+            what = f"full, writes refused {self.args.outage:g} s"
+        else:
+            self.store.kill()
+            self._drain(time.monotonic() + self.args.outage)
+            self.store.start()
+            what = f"killed, restarted empty after {self.args.outage:g} s"
+        self.store_down = False
+        return Fault(start, self.elapsed(), "store", what)
+
+    def _drain_until_end(self) -> None:
+        """Handle the killed worker's last lines."""
+        self.worker.proc.wait()
+        while (line := self.worker.lines.get()) is not None:
+            self._handle(line)
+
+    def _schedule(self) -> Iterator[tuple[float, str, int]]:
+        """(elapsed seconds, kind, how many of that kind before) in time order."""
+        periods = dict(self.args.faults)
+        if self.store is None:
+            periods.pop("store", None)
+        events = [
+            (period * (n + 1), kind, n)
+            for kind, period in periods.items()
+            for n in range(int(self.args.duration // period))
+        ]
+        yield from sorted(events)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> SoakResult:
+        if self.store is None and "store" in self.args.faults:
+            self.result.notes.append("no store fault: no redis-server here")
+        next_sample = self.started
+        every = min(self.args.duration / PROGRESS_LINES, PROGRESS_MAX_S)
+        next_progress = self.started + every
+        pending = list(self._schedule())
+        end = self.started + self.args.duration
+        while (now := time.monotonic()) < end:
+            if now >= next_sample:
+                self._sample()
+                next_sample += self.args.sample
+            if now >= next_progress:
+                self._progress()
+                next_progress += every
+            if pending and self.started + pending[0][0] <= now:
+                _, kind, count = pending.pop(0)
+                self.result.faults.append(self._fault(kind, count))
+                continue
+            due = [next_sample, end] + [self.started + p[0] for p in pending[:1]]
+            self._drain(min(due))
+        self._sample()
+        self._stop_worker()
+        return self.result
+
+    def _sample(self) -> None:
+        usage = self.worker.usage() if self.worker.ready else None
+        if usage is not None:
+            rss, files, threads = usage
+            self.result.samples.append(
+                Sample(self.elapsed(), rss, files, threads, self.result.requests)
+            )
+
+    def _progress(self) -> None:
+        """One line of where the run stands, for a watcher of a long run."""
+        result, last = self.result, self.result.samples[-1:]
+        usage = (
+            f", RSS {last[0].rss / 2**20:.0f} MiB, {last[0].files} files, "
+            f"{last[0].threads} threads"
+            if last
+            else ""
+        )
+        print(
+            f"soak: {self.elapsed() / 60:.1f}/{self.args.duration / 60:g} min, "
+            f"{result.requests} requests, {len(result.faults)} faults, "
+            f"{result.wrong_chunks} wrong, {result.lost_chunks} lost, "
+            f"{len(result.stalls)} reads over {self.args.stall:g} s{usage}",
+            flush=True,
+        )
+
+    def _stop_worker(self) -> None:
+        """SIGTERM: the worker destroys its engine (a clean close), then its
+        last lines are handled."""
+        asked = time.monotonic()
+        self.worker.proc.send_signal(signal.SIGTERM)
+        try:
+            self.worker.proc.wait(timeout=STOP_S)
+            self.result.stopped_in_s = time.monotonic() - asked
+        except subprocess.TimeoutExpired:
+            self.worker.proc.kill()
+        self._drain_until_end()
+        self.result.corrupt_seen += self.worker.corrupt
+        if self.worker.proc.returncode not in (0, -signal.SIGTERM):
+            self.result.deaths.append((self.elapsed(), self.worker.proc.returncode))
+
+    def close(self) -> None:
+        if self.worker.proc.poll() is None:
+            self.worker.proc.kill()
+            self.worker.proc.wait()
+        if self.store is not None:
+            self.store.signal(signal.SIGCONT)
+            self.store.kill()
+        self.log.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.dir:
+        scratch = Path(args.dir)
+        scratch.mkdir(parents=True, exist_ok=True)
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix="lmcache-tiered-soak-"))
+    soak = Soak(args, scratch)
+    print(
+        f"soak: {args.duration / 60:g} min, faults "
+        f"{', '.join(f'{k} every {p:g} s' for k, p in args.faults.items()) or 'none'}"
+        f", store {soak.result.store}; worker log {scratch / 'worker.log'}",
+        flush=True,
+    )
+    try:
+        result = soak.run()
+    finally:
+        soak.close()
+    passed = report(result, args, scratch / "worker.log")
+    if not args.dir and passed:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0 if passed else 1
