@@ -537,6 +537,31 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
     assert "O_DIRECT reaches no device there" in text
 
 
+def test_diskbench_prints_lmcache_warnings_once_a_run(tmp_path: Path) -> None:
+    """Issue 29: LMCache's start-up warnings (hash seed, controller) came
+    again for every engine diskbench builds, four per placement. Now each
+    comes once a run, whatever the placements."""
+    argv = ["diskbench", "--workdir", str(tmp_path), "--chunk-mb", "1"]
+    argv += ["--total-gb", "0.03", "--placements", "2", "--rounds", "1"]
+    # as a user runs it: not with the level earlier tests here left set
+    env = {k: v for k, v in os.environ.items() if k != "LMCACHE_LOG_LEVEL"}
+    child = subprocess.run(
+        [sys.executable, "-m", "lmcache_tiered.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    warnings = [
+        line.split("LMCache WARNING:", 1)[1]
+        for line in child.stderr.splitlines()
+        if "LMCache WARNING:" in line
+    ]
+    assert warnings, "the first engine's warnings are still shown"
+    assert len(warnings) == len(set(warnings)), warnings
+
+
 def test_diskbench_finds_the_in_memory_file_systems(tmp_path: Path) -> None:
     from lmcache_tiered.bench import diskbench, rawio
 
