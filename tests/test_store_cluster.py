@@ -14,10 +14,11 @@ import pytest
 import test_store_tier
 import torch
 from conftest import store_chunks, wait_until
-from test_store_tier import CHUNK, EngineFactory, Redis, free_port, store_engine
+from test_store_tier import CHUNK, EngineFactory, Redis, store_engine
 
 from lmcache_tiered import adapter_tier, store_client, testing
 from lmcache_tiered.adapter_tier import AdapterTier
+from lmcache_tiered.bench.servers import free_port
 from lmcache_tiered.keys import key_digest
 
 pytestmark = test_store_tier.pytestmark

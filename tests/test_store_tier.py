@@ -7,7 +7,6 @@ import json
 import logging
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from lmcache_tiered.cli import main
 from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.keys import key_digest
 from lmcache_tiered.mp import TieredL2Adapter
+from lmcache_tiered.soak.redis_server import RedisServer
 
 CHUNK = 256
 CHUNK_BYTES = 256 * 1024  # the harness's tiny model
@@ -42,45 +42,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    """A loopback port no one listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Redis:
-    """A redis-server of our own on a free loopback port, no persistence;
-    ``options`` are more of redis-server's flags (a cluster node's)."""
-
-    def __init__(self, *options: str) -> None:
-        self.port = free_port()
-        self.options = options
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-            + ["--save", "", "--appendonly", "no", *self.options],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(self._answers, timeout=10)
-
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+class Redis(RedisServer):
+    """The soak's redis-server, with what the tests ask of it besides."""
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        self.kill()
 
     def cli(self, *args: str) -> str:
         return subprocess.run(
@@ -96,9 +62,7 @@ class Redis:
 
     @property
     def adapter(self) -> str:
-        return json.dumps(
-            {"type": "resp", "host": "127.0.0.1", "port": self.port, "num_workers": 2}
-        )
+        return json.dumps(self.spec | {"num_workers": 2})
 
 
 @pytest.fixture

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 
+from lmcache_tiered.cli.shared import add_tier_arguments
+
 SUMMARY = "verify every record's checksums; --repair drops bad ones"
 RUN = "lmcache_tiered.ops.fsck:run"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "paths", nargs="+", help="the tier's directories, in tiered.<tier>.paths order"
-    )
-    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+    add_tier_arguments(parser, nargs="+")
     parser.add_argument(
         "--repair", action="store_true", help="drop bad records (needs the lock)"
     )

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 
+from lmcache_tiered.cli.shared import add_tier_arguments
+
 SUMMARY = "summarise what a tier's files hold (read-only)"
 RUN = "lmcache_tiered.ops.inspect:run"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "paths", nargs="*", help="the tier's directories, in tiered.<tier>.paths order"
-    )
-    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+    add_tier_arguments(parser, nargs="*")
     parser.add_argument(
         "--config",
         help="every tier a server's configuration names, files and store: LMCache's "

@@ -1,6 +1,7 @@
-"""What the command lines of ``bench`` and ``serve-bench`` share: the
-workload options (what they mean is
-:func:`lmcache_tiered.bench.scenario.load_requests`) and comma lists."""
+"""What the subcommands' command lines share: the workload options of
+``bench`` and ``serve-bench`` (what they mean is
+:func:`lmcache_tiered.bench.scenario.load_requests`), comma lists, and the
+arguments that name a tier's files (``inspect``, ``fsck``)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> Non
 def split_list(text: str | None) -> list[str]:
     """A comma-separated option's non-empty parts."""
     return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser, nargs: str) -> None:
+    """A tier's directories (``nargs`` of them: ``+``, or ``*`` where another
+    option can name them) and ``--owner``."""
+    parser.add_argument(
+        "paths",
+        nargs=nargs,
+        help="the tier's directories, in tiered.<tier>.paths order",
+    )
+    parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")

@@ -15,7 +15,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmcache_tiered.config import plugin_extra_config
+from lmcache_tiered.soak.redis_server import RedisServer
 from lmcache_tiered.soak.report import BACK_S, Fault, Sample, SoakResult, report
 from lmcache_tiered.soak.workload import CHUNK_TOKENS, Conversations
 
@@ -37,65 +37,6 @@ STOP_S = 120.0
 MAX_ERRORS_KEPT = 50
 #: A progress line about this many times a run, at most every 10 minutes.
 PROGRESS_LINES, PROGRESS_MAX_S = 12, 600.0
-
-
-# ------------------------------------------------------------------- store
-
-
-class RedisServer:
-    """A redis-server on a free loopback port, no persistence: the soak's
-    cold store, which it stops, kills and restarts (empty)."""
-
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
-            + ["--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer on port {self.port}")
-
-    def signal(self, signum: int) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signum)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def command(self, *words: str) -> str:
-        """Send one command (RESP); its reply's first line, as in ``+OK``."""
-        request = f"*{len(words)}\r\n" + "".join(f"${len(w)}\r\n{w}\r\n" for w in words)
-        with socket.create_connection(("127.0.0.1", self.port), 5) as conn:
-            conn.sendall(request.encode())
-            return conn.recv(4096).decode(errors="replace").split("\r\n")[0]
-
-    def fill(self, full: bool) -> None:
-        """Make the store full (every write refused, ``OOM command not
-        allowed``; reads served) or take writes again."""
-        self.command("config", "set", "maxmemory-policy", "noeviction")
-        reply = self.command("config", "set", "maxmemory", "1" if full else "0")
-        if reply != "+OK":
-            raise RuntimeError(f"redis-server refused CONFIG SET maxmemory: {reply}")
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        return {"type": "resp", "host": "127.0.0.1", "port": self.port}
 
 
 # ------------------------------------------------------------------ worker
