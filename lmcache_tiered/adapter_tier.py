@@ -517,8 +517,10 @@ class AdapterTier:
             return _Check(down=str(exc))
         except Exception as exc:
             return _Check(down=f"a check failed: {exc}")
-        if not landed or not torch.equal(back, data):
-            return _Check(down="the store failed a check")
+        if not landed:
+            return _Check(down="the store took a check's write, then did not find it")
+        if not torch.equal(back, data):
+            return _Check(down="the store gave a check's object back with other bytes")
         return _Check()
 
     def _probe_loop(self) -> None:

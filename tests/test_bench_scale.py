@@ -58,7 +58,7 @@ def summaries_at(tmp_path: Path, scale: int) -> dict[str, dict[str, Any]]:
     """Each variant's summary at ``--kv-scale scale``."""
     drives = [tmp_path / f"d{scale}-{i}" for i in range(2)]
     for drive in drives:
-        drive.mkdir()
+        drive.mkdir(parents=True)
     args = cli.parse_args(
         [
             "bench",
@@ -91,10 +91,26 @@ def summaries_at(tmp_path: Path, scale: int) -> dict[str, dict[str, Any]]:
     }
 
 
+#: Runs at one scale until all its variants are valid: a busy moment of this
+#: machine (CI saw one at 6 % of a TTFT p50, 5 % being the bound) makes a
+#: run invalid, which the bench reports and does not compare; so neither do we.
+TRIES = 3
+
+
+def valid_summaries_at(tmp_path: Path, scale: int) -> dict[str, dict[str, Any]]:
+    """Each variant's summary at ``scale`` from the first of :data:`TRIES`
+    runs in which every variant was valid; the last run's lags if none was."""
+    for attempt in range(TRIES):
+        runs = summaries_at(tmp_path / f"try{attempt}", scale)
+        if all(run["valid"] for run in runs.values()):
+            break
+    return runs
+
+
 def test_the_same_workload_at_f_2_4_16_gives_the_same_ttfts_and_ranking(
     tmp_path: Path,
 ) -> None:
-    runs = {scale: summaries_at(tmp_path, scale) for scale in SCALES}
+    runs = {scale: valid_summaries_at(tmp_path, scale) for scale in SCALES}
     ttft = {
         name: [runs[scale][name]["ttft_p50_s"] for scale in SCALES] for name in VARIANTS
     }
