@@ -20,7 +20,7 @@ import time
 import torch
 
 from lmcache_tiered import testing
-from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.integration.backend import TieredBackend
 
 CHUNK, CHUNK_BYTES = 256, 256 * 1024  # the harness's tiny model
 REQUESTS, CHUNKS, ROUNDS, WARM_CHUNKS = 4, 8, 3, 8

@@ -348,7 +348,7 @@ except ImportError:  # lmcache 0.5.6
 def build_l2_adapter(spec: str) -> Any:
     """An L2 adapter built from ``spec``, the JSON ``lmcache server
     --l2-adapter`` takes, by LMCache's own parser and factory (the cold tier
-    on a store, :mod:`lmcache_tiered.adapter_tier`). ValueError for a spec
+    on a store, :mod:`lmcache_tiered.storage.adapter_tier`). ValueError for a spec
     LMCache refuses; the adapter's own errors (an unreachable S3 endpoint,
     a missing client library) as raised."""
     import argparse

@@ -368,7 +368,7 @@ class TierSettings:
 
 @dataclass(frozen=True, slots=True)
 class TierOptions:
-    """What one tier (:class:`lmcache_tiered.tier.Tier`) takes from the
+    """What one tier (:class:`lmcache_tiered.storage.tier.Tier`) takes from the
     settings, in its own words. The ``*_setting`` fields are the names its
     errors and warnings cite, so the storage layer speaks no configuration
     vocabulary and the operator still reads what to change."""

@@ -52,7 +52,7 @@ class TierStats:
     corrupt: int = 0
     evictions: int = 0
     io_errors: int = 0
-    #: times the tier went degraded (see lmcache_tiered.tier)
+    #: times the tier went degraded (see lmcache_tiered.storage.tier)
     degradations: int = 0
     read_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 

@@ -13,11 +13,11 @@ from hypothesis import settings
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import MixedMemoryAllocator
-from lmcache_tiered.backend import TieredBackend
-from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.config import plugin_extra_config as loading_config
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.integration.backend import TieredBackend
+from lmcache_tiered.storage.tier import Tier
 
 ENGINES = ["uring", "threads"]
 

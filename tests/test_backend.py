@@ -17,9 +17,9 @@ from conftest import ENGINES, plugin_extra_config, store_request
 
 import lmcache_tiered.io as io_pkg
 from lmcache_tiered import testing
-from lmcache_tiered.backend import TieredBackend, registrable_pool
+from lmcache_tiered.integration.backend import TieredBackend, registrable_pool
 from lmcache_tiered.io import probe
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.tier import Tier
 
 EngineFactory = Callable[..., Any]
 

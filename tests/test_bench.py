@@ -21,7 +21,6 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered import cli, testing
-from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import (
     command,
     diskbench,
@@ -38,6 +37,7 @@ from lmcache_tiered.bench.devices import Device, DeviceSpec, model_tier
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
 from lmcache_tiered.cli import bench as cli_bench
+from lmcache_tiered.integration.backend import TieredBackend
 
 CHUNK = scenario.CHUNK_TOKENS
 #: 128 KV bytes per token: 32 KiB chunks; no GPU prefix cache unless a test

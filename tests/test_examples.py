@@ -24,7 +24,7 @@ from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_
 from prometheus_client import generate_latest
 
 from lmcache_tiered import testing
-from lmcache_tiered.mp import TieredL2Adapter
+from lmcache_tiered.integration.mp import TieredL2Adapter
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -25,11 +25,11 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered import writer as writer_module
-from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.cache import writer as writer_module
+from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import TieredConfig
-from lmcache_tiered.payload import Payload
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.payload import Payload
+from lmcache_tiered.storage.tier import Tier
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
 CHUNKS = 64
@@ -40,8 +40,8 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat
-from lmcache_tiered import cache as cache_module
-from lmcache_tiered import writer as writer_module
+from lmcache_tiered.cache import tiered_cache as cache_module
+from lmcache_tiered.cache import writer as writer_module
 from lmcache_tiered.config import TieredConfig
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)

@@ -36,13 +36,14 @@ from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered import health, layout, testing
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import MixedMemoryAllocator
-from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.io.base import IOEngine, IORequest
-from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage import health, layout
+from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.tier import Tier
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
 CHUNK_BYTES = SHAPE.numel() * 2

@@ -39,12 +39,13 @@ from test_faults import (
     tiered_config,
 )
 
-from lmcache_tiered import health, layout, testing, tierfiles
-from lmcache_tiered import shared as shared_module
+from lmcache_tiered import testing
+from lmcache_tiered.cache import shared as shared_module
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import ConfigError
 from lmcache_tiered.keys import key_text
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage import health, layout, tierfiles
+from lmcache_tiered.storage.tier import Tier
 
 T = TypeVar("T")
 

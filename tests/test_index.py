@@ -12,9 +12,9 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered.index import Entry, SlotIndex
 from lmcache_tiered.keys import key_digest
-from lmcache_tiered.layout import RecordHeader
+from lmcache_tiered.storage.index import Entry, SlotIndex
+from lmcache_tiered.storage.layout import RecordHeader
 
 
 def key(i: int) -> CacheEngineKey:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered.layout import (
+from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     CorruptRecord,
     Geometry,

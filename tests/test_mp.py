@@ -61,12 +61,12 @@ from lmcache.v1.platform import consume_fd
 
 from lmcache_tiered._lmcache import object_key_to_string
 from lmcache_tiered.bench.mpbench import mp_read_gbps
-from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
+from lmcache_tiered.integration.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.uring import UringEngine
 from lmcache_tiered.keys import key_digest, key_from_string, key_text
-from lmcache_tiered.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
 
 #: Two object groups, as vLLM's MP connector lays out hybrid models.
 LAYOUT = MemoryLayoutDesc(

@@ -20,18 +20,18 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import MixedMemoryAllocator
-from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.keys import key_text
-from lmcache_tiered.layout import (
+from lmcache_tiered.storage.layout import (
     FORMAT_VERSION,
     HEADER_SIZE,
     Geometry,
     RecordHeader,
     decode_header_blocks,
 )
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.tier import Tier
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
 TierFactory = Callable[..., Tier]

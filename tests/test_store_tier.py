@@ -21,14 +21,15 @@ from test_bench import SMALL, mooncake, write_trace
 from test_mp import CHUNK as MP_CHUNK
 from test_mp import SLOT, Caller, memory_obj, okey, params
 
-from lmcache_tiered import adapter_tier, store_client, testing
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import l2_memory_tags
-from lmcache_tiered.adapter_tier import AdapterTier
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.integration.mp import TieredL2Adapter
 from lmcache_tiered.keys import key_digest
-from lmcache_tiered.mp import TieredL2Adapter
 from lmcache_tiered.soak.redis_server import RedisServer
+from lmcache_tiered.storage import adapter_tier, store_client
+from lmcache_tiered.storage.adapter_tier import AdapterTier
 
 CHUNK = 256
 CHUNK_BYTES = 256 * 1024  # the harness's tiny model
@@ -526,7 +527,7 @@ import torch
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngineBuilder, engine_instances
 from lmcache_tiered.config import TieredConfig
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.tier import Tier
 
 root, adapter, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 

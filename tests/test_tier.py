@@ -15,8 +15,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered._lmcache import MixedMemoryAllocator
-from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.tier import Payload, Tier
+from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.tier import Payload, Tier
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16: one slot of the test tier
 TierFactory = Callable[..., Tier]

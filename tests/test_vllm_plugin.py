@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from lmcache_tiered import vllm_plugin
-from lmcache_tiered.vllm_plugin import HintForwarder, install_hook
+from lmcache_tiered.integration import vllm_plugin
+from lmcache_tiered.integration.vllm_plugin import HintForwarder, install_hook
 from lmcache_tiered.warmup.hints import HintServer
 
 

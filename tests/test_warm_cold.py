@@ -23,7 +23,7 @@ from conftest import (
 from prometheus_client import generate_latest
 
 from lmcache_tiered import testing
-from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.metrics import collector
 from lmcache_tiered.warmup.base import Plan
 from lmcache_tiered.warmup.promoter import GUARD_MIN, GUARD_PROBE_EVERY, UNIT_KEYS

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache_tiered._lmcache import hook_disk_backend_io
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.tier import Tier
 
 
 @dataclass(frozen=True, slots=True)

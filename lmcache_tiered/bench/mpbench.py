@@ -1,7 +1,7 @@
 """Cold read bandwidth of the multi-process L2 adapter, through its interface.
 
 :func:`mp_read_gbps` measures what LMCache's prefetch controller would get
-from :class:`~lmcache_tiered.mp.TieredL2Adapter`: load tasks submitted and
+from :class:`~lmcache_tiered.integration.mp.TieredL2Adapter`: load tasks submitted and
 completed through the event fd, data landing in an L1-like arena that is
 declared to the adapter (so io_uring reads it with registered buffers, as in
 a server), after a restart and a dropped page cache, so every byte comes
@@ -31,9 +31,9 @@ from lmcache.v1.platform import consume_fd
 
 from lmcache_tiered.bench.rawio import drop_page_cache
 from lmcache_tiered.config import GIB, SETTINGS
+from lmcache_tiered.integration.mp import TieredL2Adapter
 from lmcache_tiered.io import ALIGN, aligned_buffer
-from lmcache_tiered.layout import Geometry
-from lmcache_tiered.mp import TieredL2Adapter
+from lmcache_tiered.storage.layout import Geometry
 
 logger = logging.getLogger("lmcache_tiered")
 

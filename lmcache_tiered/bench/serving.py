@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from lmcache_tiered._lmcache import LMCacheEngine
-from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench.baseline import GpuPrefixCache
 from lmcache_tiered.bench.progress import ProgressSink
 from lmcache_tiered.bench.report import RequestRecord
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.integration.backend import TieredBackend
+from lmcache_tiered.integration.vllm_plugin import HintForwarder
 from lmcache_tiered.testing import CPUConnector
-from lmcache_tiered.vllm_plugin import HintForwarder
 
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
 _TIER_OF_LOCATION = {"LocalCPUBackend": "hot", "LocalDiskBackend": "warm"}
@@ -38,8 +38,8 @@ _TIER_OF_LOCATION = {"LocalCPUBackend": "hot", "LocalDiskBackend": "warm"}
 def hint_forwarder(backend: TieredBackend | None) -> HintForwarder | None:
     """The production hint path into ``backend``, or None where it has none.
 
-    As deployed (:mod:`lmcache_tiered.vllm_plugin`): a forwarder thread POSTs
-    each arrival's prompt to the backend's loopback endpoint.
+    As deployed (:mod:`lmcache_tiered.integration.vllm_plugin`): a forwarder
+    thread POSTs each arrival's prompt to the backend's loopback endpoint.
     """
     if backend is None or backend.hint_server is None:
         return None

@@ -26,8 +26,6 @@ from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
-from lmcache_tiered.adapter_tier import AdapterTier
-from lmcache_tiered.backend import TieredBackend
 from lmcache_tiered.bench import trace
 from lmcache_tiered.bench.baseline import (
     ALL_HOT,
@@ -45,10 +43,12 @@ from lmcache_tiered.bench.progress import (
 from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
-from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import plugin_extra_config
-from lmcache_tiered.tier import Tier
-from lmcache_tiered.tierfiles import SHARED_FILE_SYSTEM_WARNING
+from lmcache_tiered.integration.backend import TieredBackend
+from lmcache_tiered.storage.adapter_tier import AdapterTier
+from lmcache_tiered.storage.tier import Tier
+from lmcache_tiered.storage.tierfiles import SHARED_FILE_SYSTEM_WARNING
 
 #: A variant named again runs again as NAME#2, NAME#3, ...: ``none,none`` is
 #: an A/A pair whose paired change is the bench's own run-to-run noise.

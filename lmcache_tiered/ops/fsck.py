@@ -12,9 +12,7 @@ import argparse
 import os
 import sys
 
-from lmcache_tiered.files import printable
 from lmcache_tiered.keys import key_text
-from lmcache_tiered.layout import HEADER_SIZE, CorruptRecord
 from lmcache_tiered.ops.records import (
     Progress,
     TierFiles,
@@ -23,6 +21,8 @@ from lmcache_tiered.ops.records import (
     newest,
     owners,
 )
+from lmcache_tiered.storage.files import printable
+from lmcache_tiered.storage.layout import HEADER_SIZE, CorruptRecord
 
 
 def check(files: TierFiles, show_progress: bool) -> list[tuple[int | None, str]]:

@@ -15,7 +15,6 @@ from collections import Counter
 from typing import Any
 
 from lmcache_tiered.config import ConfigError, TieredConfig
-from lmcache_tiered.files import printable
 from lmcache_tiered.keys import key_text
 from lmcache_tiered.ops.records import (
     TierFiles,
@@ -25,6 +24,7 @@ from lmcache_tiered.ops.records import (
     newest,
     owners,
 )
+from lmcache_tiered.storage.files import printable
 
 GIB, MIB = 1 << 30, 1 << 20
 
@@ -123,7 +123,7 @@ def load_config(path: str) -> TieredConfig:
     if isinstance(doc, dict) and isinstance(doc.get("extra_config"), dict):
         return TieredConfig.from_extra_config(doc["extra_config"])
     if isinstance(doc, dict) and isinstance(doc.get("adapter_params"), dict):
-        from lmcache_tiered.mp import TieredL2AdapterConfig
+        from lmcache_tiered.integration.mp import TieredL2AdapterConfig
 
         return TieredL2AdapterConfig.from_dict(doc["adapter_params"]).settings
     raise ConfigError(

@@ -2,10 +2,10 @@
 
 A tier directory holds, per owner (``kv-w<worker>``), a header file on the
 first path, one slab per path and a lock file, named by
-:class:`lmcache_tiered.layout.TierNames`. :class:`TierFiles` opens them
+:class:`lmcache_tiered.storage.layout.TierNames`. :class:`TierFiles` opens them
 without O_DIRECT and without taking the lock, decodes the superblock and
 every header with the live tier's own scan and validation
-(:func:`lmcache_tiered.layout.scan_headers`), and reads payloads extent by
+(:func:`lmcache_tiered.storage.layout.scan_headers`), and reads payloads extent by
 extent to check their CRC.
 
 The files are checked, not trusted: each is opened without blocking and only
@@ -24,10 +24,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from lmcache_tiered.files import NotRegularFile, open_regular, try_lock
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey
-from lmcache_tiered.layout import (
+from lmcache_tiered.storage.files import NotRegularFile, open_regular, try_lock
+from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     CorruptRecord,
     Geometry,
@@ -37,7 +37,7 @@ from lmcache_tiered.layout import (
     payload_checksum,
     scan_headers,
 )
-from lmcache_tiered.layout import newest as newest_records
+from lmcache_tiered.storage.layout import newest as newest_records
 
 #: Payload bytes read per call while checking a record.
 _CHECK_BYTES = 4 << 20
@@ -231,7 +231,7 @@ class TierFiles:
 
 def newest(slots: Sequence[Slot]) -> tuple[dict[bytes, Slot], list[Slot]]:
     """The record a live tier serves per key (highest sequence), and the
-    stale older copies it ignores (see :func:`lmcache_tiered.layout.newest`)."""
+    stale older copies it ignores (see :func:`lmcache_tiered.storage.layout.newest`)."""
 
     def header(slot: Slot) -> RecordHeader:
         assert slot.header is not None

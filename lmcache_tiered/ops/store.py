@@ -3,7 +3,7 @@
 Read-only and quick: the store is asked only what LMCache's L2 adapter
 interface offers without a scan. One lookup of this host's probe object
 (the one its live tier writes) tells whether the store answers within
-:data:`lmcache_tiered.store_client.TIMEOUT_S`. The adapter's own
+:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`. The adapter's own
 ``report_status()`` is shown as it is: what it holds, for our own adapter;
 its traffic counters are those of inspect's own adapter, which starts at
 zero, so they say nothing of the server's. Where the adapter lists keys
@@ -23,10 +23,10 @@ from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
-from lmcache_tiered import store_client
 from lmcache_tiered.config import ConfigError
-from lmcache_tiered.files import printable
-from lmcache_tiered.store_client import (
+from lmcache_tiered.storage import store_client
+from lmcache_tiered.storage.files import printable
+from lmcache_tiered.storage.store_client import (
     HEADER_GROUP,
     NAMESPACE,
     PAYLOAD_GROUP,

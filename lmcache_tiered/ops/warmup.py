@@ -13,18 +13,18 @@ import sys
 from collections.abc import Sequence
 
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
-from lmcache_tiered.files import unprintable
 from lmcache_tiered.keys import StoreKey, key_digest, key_from_string
-from lmcache_tiered.layout import (
+from lmcache_tiered.ops.records import Slot, TierFiles, ToolError, newest, owners
+from lmcache_tiered.storage.files import unprintable
+from lmcache_tiered.storage.layout import (
     CorruptRecord,
     Geometry,
     TierNames,
     align_up,
     read_superblock,
 )
-from lmcache_tiered.ops.records import Slot, TierFiles, ToolError, newest, owners
-from lmcache_tiered.payload import Payload
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.payload import Payload
+from lmcache_tiered.storage.tier import Tier
 from lmcache_tiered.warmup.hints import send_hint
 
 #: records copied per write batch

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from lmcache_tiered import testing
-from lmcache_tiered.backend import TieredBackend
+from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.soak.workload import BLOCK_TOKENS, CHUNK_TOKENS, Conversations
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.tier import Tier
 
 #: What the worker prints, one JSON object per line, by ``type``.
 EVENTS = ("ready", "ack", "tick", "damaged", "error")

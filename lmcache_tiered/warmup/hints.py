@@ -1,6 +1,6 @@
 """Arrival hints over loopback HTTP: the earliest warm-up signal.
 
-A router or the serving front-end (see :mod:`lmcache_tiered.vllm_plugin`)
+A router or the serving front-end (see :mod:`lmcache_tiered.integration.vllm_plugin`)
 POSTs a request's prompt token ids when the request arrives, before vLLM's
 scheduler looks it up; the ``hinted`` policy then promotes its cached prefix
 while it waits. Hints are best effort: the client never raises and never

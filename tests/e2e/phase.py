@@ -230,7 +230,7 @@ def loaded_plugins() -> list[str]:
 
     if os.environ.get("VLLM_PLUGINS") is not None:
         raise RuntimeError("VLLM_PLUGINS is set: the tests load every plugin")
-    if "lmcache_tiered.vllm_plugin" not in sys.modules:
+    if "lmcache_tiered.integration.vllm_plugin" not in sys.modules:
         return []
     return sorted(ep.name for ep in entry_points(group="vllm.general_plugins"))
 

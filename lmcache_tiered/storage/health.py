@@ -22,10 +22,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from lmcache_tiered.files import printable
 from lmcache_tiered.keys import key_text
-from lmcache_tiered.layout import RecordHeader
 from lmcache_tiered.metrics import TierStats
+from lmcache_tiered.storage.files import printable
+from lmcache_tiered.storage.layout import RecordHeader
 
 logger = logging.getLogger("lmcache_tiered")
 

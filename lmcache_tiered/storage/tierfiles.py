@@ -1,7 +1,7 @@
 """One owner's files of a live tier: open, lock, preallocate, read back, close.
 
 :class:`TierFileSet` opens the slabs and the header file named by
-:class:`lmcache_tiered.layout.TierNames` (never through a link, never a FIFO,
+:class:`lmcache_tiered.storage.layout.TierNames` (never through a link, never a FIFO,
 O_DIRECT if configured), locks them for this process, runs the I/O engine over
 them, grows them, and rebuilds what they hold at start-up (:meth:`load`). It
 knows the files and the layout, not the index nor the tier's health: I/O
@@ -26,10 +26,16 @@ from lmcache_tiered.config import (
     exposure_warning,
     shared_file_systems,
 )
-from lmcache_tiered.files import NotRegularFile, lock_holder, open_regular, try_lock
 from lmcache_tiered.io import IOEngine, aligned_buffer, make_engine
 from lmcache_tiered.io.base import ALIGN, IORequest
-from lmcache_tiered.layout import (
+from lmcache_tiered.metrics import TierStats
+from lmcache_tiered.storage.files import (
+    NotRegularFile,
+    lock_holder,
+    open_regular,
+    try_lock,
+)
+from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     SCAN_BYTES,
     CorruptRecord,
@@ -41,7 +47,6 @@ from lmcache_tiered.layout import (
     newest,
     scan_headers,
 )
-from lmcache_tiered.metrics import TierStats
 
 logger = logging.getLogger("lmcache_tiered")
 #: Logged where a tier's directories share a file system (the bench's
@@ -110,7 +115,7 @@ def _identity(fd: int) -> tuple[int, int]:
 
 def open_tier_file(name: str, flags: int, mode: int, setting: str) -> int:
     """Open ``name`` as a tier file: a regular file only, never through a
-    symbolic link (:func:`~lmcache_tiered.files.open_regular`); a ConfigError
+    symbolic link (:func:`~lmcache_tiered.storage.files.open_regular`); a ConfigError
     naming ``setting`` and the fix otherwise."""
     try:
         return open_regular(name, flags, mode)
@@ -254,7 +259,7 @@ class TierFileSet:
 
     def _open(self, name: str, *, data: bool = True) -> int:
         """Open one file: only a regular file, never through a symbolic link
-        and without blocking (see :mod:`lmcache_tiered.files`), with the
+        and without blocking (see :mod:`lmcache_tiered.storage.files`), with the
         configured mode whatever the umask or an earlier run left; O_DIRECT
         for a data file if configured."""
         flags = os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT

@@ -3,7 +3,7 @@
 :class:`BatchWorker` is a thread that hands every job queued so far to one
 handler call, so one call's I/O keeps every device busy; flush markers wait
 for what was queued before them, and stopping finishes what is queued. The
-multi-process adapter (:mod:`lmcache_tiered.mp`) runs its store, lookup and
+multi-process adapter (:mod:`lmcache_tiered.integration.mp`) runs its store, lookup and
 load threads on it, the in-process cache its :class:`Writer`.
 
 :class:`Writer` is the in-process plugin's put queue: it references each
@@ -36,8 +36,8 @@ from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey, key_digest
-from lmcache_tiered.layout import align_up
-from lmcache_tiered.payload import Payload
+from lmcache_tiered.storage.layout import align_up
+from lmcache_tiered.storage.payload import Payload
 
 logger = logging.getLogger("lmcache_tiered")
 

@@ -27,7 +27,7 @@ from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
 from lmcache_tiered._lmcache import seed_l2_usage
-from lmcache_tiered.cache import TieredCache
+from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.keys import StoreKey, key_digest
 
 

@@ -1,16 +1,16 @@
 """TieredCache: the warm and cold tiers, the writer and the warm-up, composed.
 
 Everything between LMCache's interface and the tiers lives here, so the
-in-process plugin (:mod:`lmcache_tiered.backend`) and the multi-process L2
-adapter (:mod:`lmcache_tiered.mp`) share one implementation. This room opens
+in-process plugin (:mod:`lmcache_tiered.integration.backend`) and the multi-process L2
+adapter (:mod:`lmcache_tiered.integration.mp`) share one implementation. This room opens
 the tiers, answers lookups (the policy's signal), stores with demotion, and
 dispatches events to the warm-up policy; the work itself is in the rooms it
 composes:
 
-- Demand reads fan out over the tiers in :mod:`lmcache_tiered.reads`
+- Demand reads fan out over the tiers in :mod:`lmcache_tiered.cache.reads`
   (warm -> cold, then other hosts' files in a shared cold tier); a cold hit
   is served directly and copied to warm in the background.
-- Puts are queued to the writer (:mod:`lmcache_tiered.writer`), one thread
+- Puts are queued to the writer (:mod:`lmcache_tiered.cache.writer`), one thread
   that batches them (the in-process plugin); the multi-process adapter, which
   has a store thread of its own, writes synchronously through
   :meth:`TieredCache.store`. Before warm evicts, its victims are demoted to
@@ -20,7 +20,8 @@ composes:
   plans run on the promoter thread (:mod:`lmcache_tiered.warmup.promoter`),
   after demand reads.
 
-May touch: the tiers (through :class:`lmcache_tiered.tier_protocol.StorageTier`),
+May touch: the tiers (through
+:class:`lmcache_tiered.storage.tier_protocol.StorageTier`),
 LMCache's CPU tier (lookups only; the promoter and reader use it), the policy,
 and the owner's ``on_change`` hook. It never does I/O itself.
 
@@ -31,11 +32,11 @@ acknowledged put survives a crash of the process (``kill -9``) and is served
 after the restart unless capacity evicted it meanwhile; a put not yet
 acknowledged is either lost or served whole, never torn. When the
 interpreter exits, puts still queued are written first (for at most
-:data:`lmcache_tiered.writer.EXIT_FLUSH_S`), even if nobody called
+:data:`lmcache_tiered.cache.writer.EXIT_FLUSH_S`), even if nobody called
 :meth:`TieredCache.close`, as vLLM 0.32 never does. With
 ``tiered.fsync: true`` each write batch is also fdatasync'ed before it is
 acknowledged, so it survives a power loss too. A degraded tier (see
-:mod:`lmcache_tiered.tier`) is skipped: its lookups fall through to the next
+:mod:`lmcache_tiered.storage.tier`) is skipped: its lookups fall through to the next
 tier and puts go to the tiers that work.
 """
 
@@ -54,19 +55,19 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered._lmcache import cpu_pool_bytes
-from lmcache_tiered.adapter_tier import AdapterTier
+from lmcache_tiered.cache.reads import DemandReader
+from lmcache_tiered.cache.shared import SharedCold
+from lmcache_tiered.cache.writer import PutCallback, Writer
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
 from lmcache_tiered.keys import StoreKey
-from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.reads import DemandReader
-from lmcache_tiered.shared import SharedCold
-from lmcache_tiered.tier import Allocator, Payload, Tier
-from lmcache_tiered.tier_protocol import StorageTier
+from lmcache_tiered.storage.adapter_tier import AdapterTier
+from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.tier import Allocator, Payload, Tier
+from lmcache_tiered.storage.tier_protocol import StorageTier
 from lmcache_tiered.warmup import CacheView, load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
 from lmcache_tiered.warmup.chains import ChainIndex
 from lmcache_tiered.warmup.promoter import Promoter
-from lmcache_tiered.writer import PutCallback, Writer
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -359,7 +360,7 @@ class TieredCache:
         into: Sequence[MemoryObj | None] | None = None,
     ) -> list[MemoryObj | None]:
         """Demand read of ``keys`` from every tier at once (see
-        :meth:`lmcache_tiered.reads.DemandReader.read`)."""
+        :meth:`lmcache_tiered.cache.reads.DemandReader.read`)."""
         return self.reader.read(keys, into)
 
     def _read_order(self) -> list[tuple[TierName, StorageTier]]:

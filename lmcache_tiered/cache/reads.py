@@ -24,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
+from lmcache_tiered.cache.writer import Writer
 from lmcache_tiered.keys import StoreKey, key_digest
-from lmcache_tiered.layout import RecordHeader
-from lmcache_tiered.payload import Allocator
-from lmcache_tiered.tier_protocol import StorageTier
+from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.payload import Allocator
+from lmcache_tiered.storage.tier_protocol import StorageTier
 from lmcache_tiered.warmup.base import TierName
 from lmcache_tiered.warmup.promoter import Promoter
-from lmcache_tiered.writer import Writer
 
 #: Threads reading the tiers after the first of a demand read (cold, and
 #: other hosts' files in a shared cold tier), each in parallel with the others

@@ -26,7 +26,7 @@ own (Redis ``maxmemory-policy``, LMCache's ``eviction`` JSON): a chunk it
 dropped is a miss at the next read.
 
 Failure: every operation waits at most
-:data:`lmcache_tiered.store_client.TIMEOUT_S`. LMCache's native Redis client
+:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`. LMCache's native Redis client
 never reconnects after the server goes away and can leave operations pending
 forever, so a prober checks the store every :data:`PROBE_S` seconds with a
 small write and read back of its own, of one of :data:`PROBE_OBJECTS` objects
@@ -57,20 +57,20 @@ import torch
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_tiered import store_client
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey, key_digest
-from lmcache_tiered.layout import (
+from lmcache_tiered.metrics import TierStats
+from lmcache_tiered.storage import store_client
+from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     CorruptRecord,
     RecordHeader,
     align_up,
     payload_checksum,
 )
-from lmcache_tiered.metrics import TierStats
-from lmcache_tiered.payload import Allocator, Payload, payload_view
-from lmcache_tiered.store_client import (
+from lmcache_tiered.storage.payload import Allocator, Payload, payload_view
+from lmcache_tiered.storage.store_client import (
     HEADER_GROUP,
     PAYLOAD_GROUP,
     StoreClient,
@@ -107,7 +107,7 @@ class StoreEngine:
 
 class AdapterTier:
     """The cold tier over an LMCache L2 adapter: a
-    :class:`lmcache_tiered.tier_protocol.StorageTier` (see the module
+    :class:`lmcache_tiered.storage.tier_protocol.StorageTier` (see the module
     docstring for what differs from a file tier)."""
 
     name = "cold"

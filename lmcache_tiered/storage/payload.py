@@ -17,7 +17,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered.io.base import ALIGN
-from lmcache_tiered.layout import RecordHeader
+from lmcache_tiered.storage.layout import RecordHeader
 
 #: Allocates the MemoryObj a record is read into; None when memory is short.
 Allocator = Callable[[RecordHeader], MemoryObj | None]

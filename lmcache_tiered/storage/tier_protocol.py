@@ -1,13 +1,13 @@
 """What the cache asks of a storage tier, whatever stores the bytes.
 
-Two kinds of tier serve it: :class:`lmcache_tiered.tier.Tier` (files on
+Two kinds of tier serve it: :class:`lmcache_tiered.storage.tier.Tier` (files on
 NVMe: striped, O_DIRECT, its own index and eviction) and
-:class:`lmcache_tiered.adapter_tier.AdapterTier` (a cold tier on a store
+:class:`lmcache_tiered.storage.adapter_tier.AdapterTier` (a cold tier on a store
 behind one of LMCache's L2 adapters: Redis, S3, ...). The cache, the demand
 reader, the promoter and the two LMCache front ends (the in-process plugin's
 ready line, the L2 adapter's ready line and status) use a tier only through
 :class:`StorageTier`; mypy checks both classes against it where
-:class:`lmcache_tiered.cache.TieredCache` puts them in its ``tiers``. What
+:class:`lmcache_tiered.cache.tiered_cache.TieredCache` puts them in its ``tiers``. What
 only one kind has (a file tier's victims, geometry and eviction hook, a
 store's discovery of other hosts' chunks) is asked of that class by name.
 
@@ -22,9 +22,9 @@ from typing import Protocol
 from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_tiered.keys import StoreKey
-from lmcache_tiered.layout import RecordHeader
 from lmcache_tiered.metrics import TierStats
-from lmcache_tiered.payload import Allocator, Payload
+from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.payload import Allocator, Payload
 
 
 class TierEngine(Protocol):

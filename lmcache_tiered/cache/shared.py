@@ -10,7 +10,7 @@ which read-only tiers apply to every read: never served half-done.
 Any member of the group the directory is shared with can put any file there:
 a name that is not a regular file (a FIFO, which would block ``open()``
 forever) is skipped with one WARNING, and every file is opened without
-blocking (:func:`lmcache_tiered.files.open_regular`).
+blocking (:func:`lmcache_tiered.storage.files.open_regular`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import time
 from lmcache.utils import CacheEngineKey
 
 from lmcache_tiered.config import ConfigError, TieredConfig
-from lmcache_tiered.files import file_kind, printable
-from lmcache_tiered.health import JOIN_S
-from lmcache_tiered.layout import RecordHeader, TierNames
-from lmcache_tiered.tier import Tier
+from lmcache_tiered.storage.files import file_kind, printable
+from lmcache_tiered.storage.health import JOIN_S
+from lmcache_tiered.storage.layout import RecordHeader, TierNames
+from lmcache_tiered.storage.tier import Tier
 
 logger = logging.getLogger("lmcache_tiered")
 

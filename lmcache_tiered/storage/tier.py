@@ -1,17 +1,17 @@
 """One storage level: the read and write data path over its files and index.
 
 A tier stores LMCache MemoryObjs in fixed-size slots striped over its devices
-(see :mod:`lmcache_tiered.layout`). Reads and writes of a whole batch go to the
+(see :mod:`lmcache_tiered.storage.layout`). Reads and writes of a whole batch go to the
 engine at once, so every device has a deep queue. :class:`Tier` composes the
-rooms that do the rest: :mod:`lmcache_tiered.index` (what is stored where,
-eviction), :mod:`lmcache_tiered.tierfiles` (opening, locking, growing and
-reading back the files) and :mod:`lmcache_tiered.health` (degrading after
+rooms that do the rest: :mod:`lmcache_tiered.storage.index` (what is stored where,
+eviction), :mod:`lmcache_tiered.storage.tierfiles` (opening, locking, growing and
+reading back the files) and :mod:`lmcache_tiered.storage.health` (degrading after
 failed I/O and recovering). The index is the only shared state; it is guarded
 by one lock that is never held across I/O.
 
 A record that fails its checks is a miss and is dropped; a device that fails
 is a miss for the whole tier, and enough failures degrade it (see
-:mod:`lmcache_tiered.health`). Its settings come as
+:mod:`lmcache_tiered.storage.health`). Its settings come as
 :class:`lmcache_tiered.config.TierOptions`; nothing here reads the plugin's
 configuration.
 """
@@ -31,12 +31,13 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_tiered.config import ConfigError, TierOptions
-from lmcache_tiered.health import TierHealth
-from lmcache_tiered.index import Entry, SlotIndex
 from lmcache_tiered.io import IOEngine, aligned_buffer
 from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.keys import key_digest
-from lmcache_tiered.layout import (
+from lmcache_tiered.metrics import TierStats
+from lmcache_tiered.storage.health import TierHealth
+from lmcache_tiered.storage.index import Entry, SlotIndex
+from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     Geometry,
     RecordHeader,
@@ -44,9 +45,8 @@ from lmcache_tiered.layout import (
     align_up,
     payload_checksum,
 )
-from lmcache_tiered.metrics import TierStats
-from lmcache_tiered.payload import Allocator, Payload, payload_view
-from lmcache_tiered.tierfiles import TierFileSet, Transfer, plan_transfer
+from lmcache_tiered.storage.payload import Allocator, Payload, payload_view
+from lmcache_tiered.storage.tierfiles import TierFileSet, Transfer, plan_transfer
 
 __all__ = ["Allocator", "Payload", "Tier"]
 

@@ -1,7 +1,7 @@
 """What one tier stores where: records by key, free slots, pins and readers,
 recency, and which record to evict.
 
-No I/O and no lock: :class:`lmcache_tiered.tier.Tier` calls it under its own
+No I/O and no lock: :class:`lmcache_tiered.storage.tier.Tier` calls it under its own
 lock and never holds that lock across I/O. Eviction is one choice,
 :meth:`SlotIndex.candidates` (least recently used first, as cachetools'
 ``LRUCache.popitem``): a subclass that overrides it changes what
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from lmcache_tiered.keys import StoreKey, key_digest
-from lmcache_tiered.layout import RecordHeader
+from lmcache_tiered.storage.layout import RecordHeader
 
 
 @dataclass(slots=True)

@@ -37,7 +37,6 @@ import crc32c
 import torch
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered.files import open_regular
 from lmcache_tiered.io.base import ALIGN
 from lmcache_tiered.keys import (
     DIGEST_SIZE,
@@ -46,6 +45,7 @@ from lmcache_tiered.keys import (
     key_from_string,
     key_text,
 )
+from lmcache_tiered.storage.files import open_regular
 
 HEADER_SIZE = ALIGN
 #: Header bytes read per request while scanning a header file.
