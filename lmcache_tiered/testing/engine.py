@@ -226,8 +226,8 @@ def destroy_engine(engine_or_id: LMCacheEngine | str) -> None:
         if CPU_TIER in backends and DISK_TIER in backends:
             # StorageManager.close() closes backends in dict order, and closing
             # the CPU tier frees its arena while LMCache's own disk tier still
-            # writes from it. Our plugin closes itself first (see integration/backend.py);
-            # the stock one needs the CPU tier moved last.
+            # writes from it. Our plugin closes itself first (see
+            # integration/backend.py); the stock one needs the CPU tier last.
             backends.move_to_end(CPU_TIER)
         LMCacheEngineBuilder.destroy(instance_id)
         if manager is not None:
