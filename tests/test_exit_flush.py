@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import new_allocator
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
 from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered.cache import writer as writer_module
@@ -146,7 +146,7 @@ def test_close_writes_what_it_can_in_time_and_releases_the_rest(
         return store(payloads)
 
     cache.store = slow_store  # type: ignore[method-assign]
-    allocator = MixedMemoryAllocator(16 << 20)
+    allocator = new_allocator(16 << 20)
     keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(8)]
     objs = [
         allocator.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_2LTD) for _ in keys

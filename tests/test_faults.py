@@ -30,14 +30,19 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import cache_of, plugin_extra_config, random_kv, wait_until
+from conftest import (
+    cache_of,
+    new_allocator,
+    plugin_extra_config,
+    random_kv,
+    wait_until,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.io.base import IOEngine, IORequest
@@ -102,7 +107,7 @@ class Chunks:
     """MemoryObjs holding :func:`chunk` data, from one LMCache allocator."""
 
     def __init__(self, size: int = 128 << 20) -> None:
-        self.allocator = MixedMemoryAllocator(size)
+        self.allocator = new_allocator(size)
 
     def make(self, i: int) -> MemoryObj | None:
         obj = self.allocator.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_2LTD)
