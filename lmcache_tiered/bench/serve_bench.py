@@ -190,7 +190,9 @@ def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
                     command,
                     status_url,
                     lmcache_log(setup, name),
-                    {"LMCACHE_DISABLE_BANNER": "1"},
+                    # INFO whatever the CLI's level: lmcache_transfers reads
+                    # the server's own timings from this log
+                    {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": "INFO"},
                 )
             )
             kv_transfer = servers.mp_connector(port)
