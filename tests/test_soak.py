@@ -62,8 +62,8 @@ def test_a_soak_whose_chunks_do_not_survive_fails(tmp_path: Path) -> None:
     FAIL with the count (the check a real loss would meet)."""
     code, result = soak(
         tmp_path,
-        "--duration", "40s",
-        "--faults", "kill=20s",
+        "--duration", "20s",
+        "--faults", "kill=10s",
         "--store", "none",
         "--warm-gb", "0.01",
         "--plot", "none",

@@ -99,7 +99,7 @@ def build_config(
     *,
     chunk_size: int = 256,
     local_cpu: bool = True,
-    max_local_cpu_size_gb: float = 1.0,
+    max_local_cpu_size_gb: float = 0.25,
     extra_config: dict[str, Any] | None = None,
     storage_plugins: list[str] | None = None,
     enable_async_loading: bool = False,

@@ -4,7 +4,7 @@ multi-process tests.
 Every test here is marked ``e2e`` and deselected from the default run (see
 setup.cfg). Run them in the venv ``tests/e2e/make_venv.sh`` builds::
 
-    python -m pytest -q -m e2e tests/e2e
+    python -m pytest -q -n 0 -m e2e tests/e2e
 
 Without vLLM they fail, never skip. Each vLLM start costs 30-40 s on a
 2-core host, so each phase is one process that checks as much as it can,
