@@ -192,7 +192,7 @@ def test_device_model_holds_reads_and_writes_of_a_tier(
         CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in (5, 6)
     )
     # 64 KiB x 2 (scale) over 0.002 GB/s: 65.5 ms, plus 10 ms of latency
-    model_tier(tier, Device(DeviceSpec(0.002, 10), scale=2))
+    model_tier(tier, Device(DeviceSpec(0.002, 0.010), scale=2))
 
     def timed(io: Any) -> float:
         began = time.perf_counter()
