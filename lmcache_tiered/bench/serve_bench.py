@@ -190,9 +190,7 @@ def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
                     command,
                     status_url,
                     lmcache_log(setup, name),
-                    # INFO whatever the CLI's level: lmcache_transfers reads
-                    # the server's own timings from this log
-                    {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": "INFO"},
+                    servers.LMCACHE_SERVER_ENV,
                 )
             )
             kv_transfer = servers.mp_connector(port)

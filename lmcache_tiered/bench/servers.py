@@ -197,7 +197,9 @@ def lmcache_server_command(
 
 #: LMCache's multi-process server logs each copy between vLLM's KV cache and
 #: its L1 (engine_driven_transfer.py) and each finished prefetch from L2
-#: (storage_manager.py), 0.5.6 and 0.5.7rc2
+#: (storage_manager.py), 0.5.6 and 0.5.7rc2, at INFO: the server runs at INFO
+#: whatever level our CLI gave LMCache (its children inherit that)
+LMCACHE_SERVER_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": "INFO"}
 _TRANSFER_LINE = re.compile(r"(Retrieved|Stored) (\d+) tokens in ([\d.]+) seconds")
 _PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\).* in ([\d.]+) ms")
 
