@@ -157,6 +157,15 @@ if TYPE_CHECKING:  # lmcache ships no types: all of these are Any to mypy
 RUST_RAW_BLOCK_EXTENSION = "lmcache_rust_raw_block_io"
 
 
+#: LMCache's own L2 adapters diskbench drives, and their modules: imported by
+#: name, since LMCache's lookup by type name imports every adapter module in
+#: turn (cloud SDKs among them, printing their warnings) until one registers it
+L2_ADAPTER_MODULES = {
+    kind: f"lmcache.v1.distributed.l2_adapters.{kind}_l2_adapter"
+    for kind in ("fs", "fs_native", "raw_block")
+}
+
+
 def _first_module(paths: tuple[str, ...]) -> ModuleType:
     """The first of ``paths`` this LMCache has; an error naming the release
     when none (a missing module they import is raised as it is)."""

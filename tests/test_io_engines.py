@@ -517,16 +517,22 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
         "lmcache_local_disk_write_gbps",
         "tiered_cpu_s_per_gb",
         "lmcache_local_disk_cpu_s_per_gb",
-        "mp_read_gbps",
-        "mp_cpu_s_per_gb",
     ):
         assert result[key] > 0, key
+    # one path: ours and LMCache's adapters on it (raw_block where installed)
+    assert {"mp_tiered", "mp_fs", "mp_fs_native"} <= set(result["mp"])
+    for name, mp in result["mp"].items():
+        assert mp["read_gbps"] > 0 and mp["cpu_s_per_gb"] > 0, name
+        assert mp["write_gbps"] > 0 and mp["restart"] == "recovered", name
+        assert result["disk_share"][name] > 0.95, name  # O_DIRECT: from storage
     for placement in (first, second):  # one figure per round
         assert len(placement["cpu_s_per_gb"]["tiered"]) == 1
         assert len(placement["read_gbps"][diskbench.MP]) == 1
     assert result["paired_ratios"]["tiered_vs_local_disk"] > 0
-    assert result["paired_ratios"]["mp_vs_tiered"] > 0
-    assert "TieredL2Adapter / TieredBackend" in diskbench.table(result)
+    assert result["mp_paired_ratios"]["mp_tiered_vs_tiered"] > 0
+    assert [g["what"] for g in result["mp_goals"]][-2:] == ["read CPU", "write"]
+    text = diskbench.table(result)
+    assert "TieredL2Adapter / each" in text and "LMCache fs_native x 1" in text
     assert list(tmp_path.iterdir()) == []  # every placement's files removed
     # on tmpfs the "device ceiling" is memory's, and the table says so
     assert result["in_memory_filesystems"] == [] and "memory" not in diskbench.table(

@@ -60,7 +60,6 @@ from lmcache.v1.memory_management import (
 from lmcache.v1.platform import consume_fd
 
 from lmcache_tiered._lmcache import object_key_to_string
-from lmcache_tiered.bench.mpbench import mp_read_gbps
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
 from lmcache_tiered.integration.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
@@ -995,17 +994,6 @@ def test_l1_arena_is_registered_with_io_uring(device_dirs: list[Path]) -> None:
         assert engine.stats()["fixed"] > 0  # READ_FIXED into the arena
     finally:
         adapter.close()
-
-
-def test_mp_read_gbps_smoke(tmp_path: Path) -> None:
-    dirs = [tmp_path / "d0", tmp_path / "d1"]
-    for d in dirs:
-        d.mkdir()
-    gbps, cpu_s_per_gb = mp_read_gbps(
-        [str(d) for d in dirs], 1 << 20, 16 << 20, drop_caches=False
-    )
-    assert cpu_s_per_gb > 0
-    assert gbps > 0
 
 
 def test_a_second_adapter_on_the_same_directories_is_refused_at_start(

@@ -27,7 +27,15 @@ import torch
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench import report
+from lmcache_tiered.bench import mpbench
+from lmcache_tiered.bench.disk_report import (
+    CONTENDERS,
+    Placement,
+    median_of,
+    mp_result,
+    paired_median,
+    table,
+)
 from lmcache_tiered.bench.rawio import (
     IN_MEMORY_FILESYSTEMS,
     drop_page_cache,
@@ -53,9 +61,10 @@ RUST_MISSING = (
 )
 #: seconds a contender may store nothing before its fill counts as failed
 STALL_S = 10.0
-#: the multi-process adapter's name among the contenders' figures (``--mp``):
-#: read after the others in every round, on files of its own
-MP = "mp"
+#: our multi-process adapter's name among the contenders' figures (``--mp``);
+#: the multi-process contenders are read after the others in every round, on
+#: files of their own
+MP = mpbench.OURS
 
 
 class StoreFailed(RuntimeError):
@@ -81,10 +90,10 @@ def contenders(
     work: str,
     args: argparse.Namespace,
     stored_bytes: int,
-    mp_dirs: list[str],
+    mp_stores: list[tuple[str, list[str], int]],
 ) -> list[Contender]:
     """Every contender that can run here, each to store ``stored_bytes``
-    (and the multi-process adapter as much in ``mp_dirs``, if any);
+    (and the multi-process ones, name, directories and bytes, ``mp_stores``);
     ValueError before anything is written where they would fill a disk."""
     total_gb = args.total_gb * 1.5  # headroom for the last request's chunks
     stock_dir = os.path.join(work, "local_disk")
@@ -130,7 +139,8 @@ def contenders(
                     "storage_plugin.rrb.module_path": RUST_MODULE,
                     "storage_plugin.rrb.class_name": "RustRawBlockBackend",
                     "rust_raw_block.device_path": device,
-                    "rust_raw_block.capacity_bytes": capacity,
+                    # its capacity counts the metadata region in
+                    "rust_raw_block.capacity_bytes": capacity + meta,
                     "rust_raw_block.meta_total_bytes": meta,
                     "rust_raw_block.use_odirect": True,
                     "rust_raw_block.io_engine": "io_uring",
@@ -138,10 +148,7 @@ def contenders(
                 [work],
             )
         )
-    stores = [(c.name, c.dirs) for c in found]
-    if mp_dirs:
-        stores.append((MP, mp_dirs))
-    check_space(stores, stored_bytes)
+    check_space([(c.name, c.dirs, stored_bytes) for c in found] + mp_stores)
     if found[-1].location == "rrb":
         device = found[-1].extra["rust_raw_block.device_path"]
         try:
@@ -249,23 +256,22 @@ def write_probe(directory: str, nbytes: int) -> str:
     )
 
 
-def check_space(stores: list[tuple[str, list[str]]], stored_bytes: int) -> None:
-    """Refuse a placement whose contenders (name, directories) would fill a
-    file system: each stores ``stored_bytes``, spread over its directories,
-    all at once."""
+def check_space(stores: list[tuple[str, list[str], int]]) -> None:
+    """Refuse a placement whose contenders (name, directories, bytes spread
+    over them) would fill a file system, all stored at once."""
     need: dict[int, float] = {}
     names: dict[int, str] = {}
-    for _, dirs in stores:
+    for _, dirs, nbytes in stores:
         for path in dirs:
             device = os.stat(path).st_dev
-            need[device] = need.get(device, 0.0) + stored_bytes / len(dirs)
+            need[device] = need.get(device, 0.0) + nbytes / len(dirs)
             names.setdefault(device, path)
-    for device, nbytes in need.items():
+    for device, needed in need.items():
         free = shutil.disk_usage(names[device]).free
-        if nbytes * 1.05 > free:
+        if needed * 1.05 > free:
             raise ValueError(
-                f"the contenders ({', '.join(name for name, _ in stores)}) would store "
-                f"{nbytes / 1e9:.2f} GB on the file system of {names[device]}, "
+                f"the contenders ({', '.join(name for name, *_ in stores)}) would "
+                f"store {needed / 1e9:.2f} GB on the file system of {names[device]}, "
                 f"which has {free / 1e9:.2f} GB free: lower --total-gb, or point "
                 "--workdir/--paths at a larger file system"
             )
@@ -327,29 +333,6 @@ def ceiling(files: list[str], chunk_bytes: int, total_bytes: int) -> tuple[float
     return raw_read_gbps(files, chunk_bytes, total_bytes), "lmcache-tiered raw loop"
 
 
-#: Every contender's name (its JSON fields are ``<name>_read_gbps``,
-#: ``<name>_cpu_s_per_gb``, ``<name>_write_gbps``) and its row in the table.
-CONTENDERS = {
-    "lmcache_local_disk": "LMCache LocalDiskBackend (O_DIRECT)",
-    "rust_raw_block": "LMCache RustRawBlockBackend",
-    "tiered": "TieredBackend",
-}
-
-
-@dataclass
-class Placement:
-    """One fresh set of files for every contender, and its rounds."""
-
-    fill_order: list[str]
-    ceiling_gbps: list[float] = field(default_factory=list)
-    read_gbps: dict[str, list[float]] = field(default_factory=dict)
-    #: storage bytes read per byte served, per contender and round
-    disk_share: dict[str, list[float]] = field(default_factory=dict)
-    #: CPU seconds per GB read, per contender and round
-    cpu_s_per_gb: dict[str, list[float]] = field(default_factory=dict)
-    write_gbps: dict[str, float] = field(default_factory=dict)
-
-
 def run_placement(
     index: int, args: argparse.Namespace, chunk_bytes: int, n_requests: int
 ) -> tuple[Placement, str, str]:
@@ -364,7 +347,14 @@ def run_placement(
     )
     total_bytes = n_requests * REQUEST_CHUNKS * chunk_bytes
     try:
-        runs = contenders(paths, work, args, total_bytes, mp_dirs)
+        mp: list[mpbench.MpContender] = []
+        if mp_dirs:
+            arena = mpbench.Arena(chunk_bytes, total_bytes)
+            mp, missing = mpbench.contenders(
+                mp_dirs, arena, io_engine=args.io_engine, queue_depth=args.queue_depth
+            )
+        mp_stores = [(c.name, c.dirs, total_bytes * c.copies) for c in mp]
+        runs = contenders(paths, work, args, total_bytes, mp_stores)
         shift = index % len(runs)
         runs = runs[shift:] + runs[:shift]
         placement = Placement([c.name for c in runs])
@@ -379,6 +369,12 @@ def run_placement(
                 n_requests,
                 logging.WARNING if first else logging.ERROR,
             )
+        for adapter in mp:
+            progress(f"placement {index + 1}: storing through {adapter.name}")
+            placement.write_gbps[adapter.name] = mpbench.fill(adapter)
+            placement.mp[adapter.name] = adapter.describe()
+        if mp:
+            placement.mp_unavailable = missing
         tiered = next(c for c in runs if c.name == "tiered")
         warm = testing.get_backends(tiered.engine)["tiered"].cache.warm
         slabs = warm.slab_paths
@@ -389,20 +385,20 @@ def run_placement(
             placement.ceiling_gbps.append(gbps)
             for contender in runs:
                 measured = read_round(contender, chunk_bytes)
-                name = contender.name
-                placement.read_gbps.setdefault(name, []).append(measured.gbps)
-                placement.disk_share.setdefault(name, []).append(measured.disk_share)
-                placement.cpu_s_per_gb.setdefault(name, []).append(
-                    measured.cpu_s_per_gb
+                placement.record(contender.name, measured.gbps, measured.cpu_s_per_gb)
+                placement.disk_share.setdefault(contender.name, []).append(
+                    measured.disk_share
                 )
-            if mp_dirs:  # its first round writes its chunks, untimed
-                # imported here: every CLI start builds this parser, and the
-                # multi-process stack is only needed with --mp
-                from lmcache_tiered.bench.mpbench import mp_read_gbps
-
-                gbps, cpu_s_per_gb = mp_read_gbps(mp_dirs, chunk_bytes, total_bytes)
-                placement.read_gbps.setdefault(MP, []).append(gbps)
-                placement.cpu_s_per_gb.setdefault(MP, []).append(cpu_s_per_gb)
+            # every round one later, so none is always read first
+            readable = [c for c in mp if c.restart == "recovered"]
+            shift = round_ % len(readable) if readable else 0
+            for adapter in readable[shift:] + readable[:shift]:
+                disk_before = storage_bytes_read()
+                placement.record(adapter.name, *mpbench.read_round(adapter))
+                read = storage_bytes_read() - disk_before
+                placement.disk_share.setdefault(adapter.name, []).append(
+                    read / (mpbench.READ_PASSES * total_bytes)
+                )
         engine = warm.engine
         if isinstance(engine, UringEngine) and engine.stats()["fixed"]:
             return placement, method, f"{engine.name}, CPU pool registered"
@@ -412,19 +408,6 @@ def run_placement(
         shutil.rmtree(work, ignore_errors=True)
         for path in paths + mp_dirs:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def paired_median(
-    placements: list[Placement], over: str, under: str | None = None
-) -> float | None:
-    """Median over all rounds of ``over``'s GB/s divided by ``under``'s (or
-    the ceiling's) in the same round."""
-    ratios: list[float] = []
-    for p in placements:
-        base = p.ceiling_gbps if under is None else p.read_gbps.get(under)
-        if over in p.read_gbps and base:
-            ratios += [a / b for a, b in zip(p.read_gbps[over], base, strict=True)]
-    return statistics.median(ratios) if ratios else None
 
 
 def in_memory_filesystems(args: argparse.Namespace) -> list[str]:
@@ -445,25 +428,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         placements.append(placement)
 
-    def median_of(name: str, what: str = "read_gbps") -> float | None:
-        samples = [g for p in placements for g in getattr(p, what).get(name, [])]
-        return statistics.median(samples) if samples else None
-
-    def write_median(name: str) -> float | None:
-        samples = [p.write_gbps[name] for p in placements if name in p.write_gbps]
-        return statistics.median(samples) if samples else None
-
     result: dict[str, Any] = {
         "device_ceiling_gbps": statistics.median(
             g for p in placements for g in p.ceiling_gbps
         ),
         "device_ceiling_method": method + " over the tiered slab files",
-        **{f"{name}_read_gbps": median_of(name) for name in CONTENDERS},
         **{
-            f"{name}_cpu_s_per_gb": median_of(name, "cpu_s_per_gb")
+            f"{name}_{what}": median_of(placements, name, what)
             for name in CONTENDERS
+            for what in ("read_gbps", "cpu_s_per_gb", "write_gbps")
         },
-        **{f"{name}_write_gbps": write_median(name) for name in CONTENDERS},
         "rust_raw_block_unavailable": rust_unavailable(),
         "chunk_mb": args.chunk_mb,
         "chunks": n_requests * REQUEST_CHUNKS,
@@ -481,96 +455,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 placements, "tiered", "rust_raw_block"
             ),
         },
+        "disk_share": {
+            name: median_of(placements, name, "disk_share")
+            for name in placements[0].disk_share
+        },
         "per_placement": [asdict(p) for p in placements],
     }
     if args.mp:
-        result["mp_read_gbps"] = median_of(MP)
-        result["mp_cpu_s_per_gb"] = median_of(MP, "cpu_s_per_gb")
-        result["paired_ratios"]["mp_vs_tiered"] = paired_median(
-            placements, MP, "tiered"
-        )
+        result |= mp_result(placements)
     return result
 
 
 def progress(message: str) -> None:
     print(f"diskbench: {message}", file=sys.stderr, flush=True)
-
-
-def table(result: dict[str, Any]) -> str:
-    ceiling_gbps = result["device_ceiling_gbps"]
-    out = report.numbers_table(
-        "path", "read GB/s", "x ceiling", "read CPU s/GB", "write GB/s"
-    )
-    in_memory = result["in_memory_filesystems"]
-    ceiling = f"memory ({', '.join(in_memory)}: no device)" if in_memory else "device"
-    out.add_row(
-        f"{ceiling} ceiling ({result['device_ceiling_method']})",
-        f"{ceiling_gbps:.2f}",
-        "1.00",
-        "",
-        "",
-    )
-
-    def cell(value: float | None, digits: int = 2) -> str:
-        return "n/a" if value is None else f"{value:.{digits}f}"
-
-    for name, label in CONTENDERS.items():
-        gbps = result[f"{name}_read_gbps"]
-        if name == "tiered":
-            label += f" ({result['io_engine']})"
-        out.add_row(
-            label,
-            cell(gbps),
-            "" if gbps is None else f"{gbps / ceiling_gbps:.2f}",
-            cell(result[f"{name}_cpu_s_per_gb"], 3),
-            cell(result[f"{name}_write_gbps"]),
-        )
-    if "mp_read_gbps" in result:
-        out.add_row(
-            "TieredL2Adapter (multi-process mode)",
-            f"{result['mp_read_gbps']:.2f}",
-            f"{result['mp_read_gbps'] / ceiling_gbps:.2f}",
-            cell(result.get("mp_cpu_s_per_gb"), 3),
-            "",
-        )
-    lines = [
-        f"{result['chunks']} chunks of {result['chunk_mb']} MiB on "
-        f"{', '.join(result['paths'])}; median of {result['rounds']} cold rounds "
-        f"on each of {result['placements']} placements (fresh files)",
-        report.render(out),
-    ]
-    names = {
-        "tiered_vs_ceiling": "ceiling",
-        "tiered_vs_local_disk": "LocalDiskBackend",
-        "tiered_vs_rust_raw_block": "RustRawBlockBackend",
-    }
-    ratios = result["paired_ratios"]
-    if in_memory:
-        lines.append(
-            f"note: the paths are on {', '.join(in_memory)}, in memory: O_DIRECT "
-            "reaches no device there, so every figure is memory's speed, not a "
-            "drive's; give --paths on the drives to measure"
-        )
-    if result["rust_raw_block_unavailable"]:
-        lines.append(f"RustRawBlockBackend n/a: {result['rust_raw_block_unavailable']}")
-    lines.append(
-        "TieredBackend / "
-        + ", / ".join(
-            f"{label} {ratios[k]:.2f}x"
-            for k, label in names.items()
-            if ratios[k] is not None
-        )
-        + " (medians of per-round ratios: the two read in the same round, on "
-        "the same drives' state; they can differ from the ratio of the table's "
-        "medians, which come from different rounds, when rounds vary more than "
-        "the two differ)"
-    )
-    if ratios.get("mp_vs_tiered") is not None:
-        lines.append(
-            f"TieredL2Adapter / TieredBackend {ratios['mp_vs_tiered']:.2f}x "
-            "(median of per-round ratios)"
-        )
-    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:

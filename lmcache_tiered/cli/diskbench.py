@@ -9,9 +9,14 @@ In one run, on the same paths and the same chunks:
 4. ``TieredBackend``, with LMCache's CPU pool registered as io_uring fixed
    buffers (``tiered.register_cpu_pool: always``), as it is on a GPU host,
    where LMCache pins the pool; a CPU-only host's pool is pageable;
-5. with ``--mp``, the multi-process ``TieredL2Adapter``, as LMCache's
-   prefetch controller drives it (:mod:`lmcache_tiered.bench.mpbench`), on
-   files of its own, read after the others in every round.
+5. with ``--mp``, the multi-process L2 adapters, through the interface
+   LMCache's ``lmcache server`` drives them by (:mod:`lmcache_tiered.bench.mpbench`),
+   on files of their own, read after the others in every round:
+   ``TieredL2Adapter`` over every path, and LMCache's own ``fs``,
+   ``fs_native`` and ``raw_block`` (when its Rust package is installed) on the
+   first path and one per path, as LMCache's store and prefetch policies place
+   them, and ``raw_block`` one path per key (a placement LMCache has proposed,
+   not released).
 
 2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
 CPU tier is emptied and the page cache dropped, so every byte comes from disk.
@@ -69,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="TieredBackend's reads in flight per ring (tiered.queue_depth)",
     )
     parser.add_argument(
-        "--mp", action="store_true", help="also measure the multi-process L2 adapter"
+        "--mp",
+        action="store_true",
+        help="also measure the multi-process L2 adapters: ours, and LMCache's fs, "
+        "fs_native and raw_block on one path and one per path",
     )
     parser.add_argument("--json", help="write the results to this JSON file")
