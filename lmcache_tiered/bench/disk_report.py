@@ -240,10 +240,13 @@ def table(result: dict[str, Any]) -> str:
             f"note: {name} read {share:.0%} of the bytes it served from storage "
             "(the rest came from a cache): its figure is not the drives'"
         )
-    for name in ("rust_raw_block", "mp_raw_block"):
+    for name, label in [
+        ("rust_raw_block", "RustRawBlockBackend"),
+        ("mp_raw_block", "LMCache raw_block adapter"),
+    ]:
         why = result.get(f"{name}_unavailable")
         if why:
-            lines.append(f"{name} n/a: {why}")
+            lines.append(f"{label} n/a: {why}")
     names = {
         "tiered_vs_ceiling": "ceiling",
         "tiered_vs_local_disk": "LocalDiskBackend",
