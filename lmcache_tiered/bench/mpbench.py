@@ -146,14 +146,16 @@ class MpContender:
     configs: list[L2AdapterConfigBase]
     open_one: Callable[[L2AdapterConfigBase, L1MemoryDesc], L2AdapterInterface]
     policy: StorePolicy
-    #: where its data lands, and the bytes it writes there per byte stored
+    #: where its data lands (for diskbench's space check)
     dirs: list[str]
+    #: bytes it writes per byte stored (N for every key on every adapter)
     copies: int = 1
     #: False for a placement no LMCache release offers
     released: bool = True
     #: after a restart: "recovered" (every chunk found) or "lost"
     restart: str = ""
-    descriptors: list[L2AdapterDescriptor] = field(default_factory=list)
+    #: what its store policy sees of the adapters
+    descriptors: list[L2AdapterDescriptor] = field(init=False)
 
     def __post_init__(self) -> None:
         self.descriptors = [
