@@ -122,6 +122,29 @@ def test_batch_larger_than_queue_depth(build: EngineFactory, files: list[int]) -
     assert bytes(target) == bytes(source)
 
 
+def test_a_read_goes_before_writes_queued_earlier(
+    build: EngineFactory, files: list[int]
+) -> None:
+    """A load must not wait behind gigabytes of stores: a read submitted after
+    a long run of writes completes while most of them are still queued (the
+    engines start reads first and give writes at most half their depth)."""
+    engine = build(files, 8)
+    block = aligned_buffer(ALIGN)
+    block[:] = b"r" * ALIGN
+    assert engine.write([IORequest(0, 0, block)]) == [ALIGN]
+    piece = aligned_buffer(1 << 20)
+    writes = [
+        engine.submit([IORequest(1, i << 20, piece)], write=True) for i in range(256)
+    ]
+    target = aligned_buffer(ALIGN)
+    read = engine.submit([IORequest(0, 0, target)], write=False)
+    assert read.result(timeout=30) == [ALIGN]
+    written = sum(write.done() for write in writes)
+    assert written < 64, f"the read waited for {written} MiB of writes"
+    assert bytes(target) == bytes(block)
+    assert [write.result(timeout=120) for write in writes] == [[1 << 20]] * 256
+
+
 def test_concurrent_submits_from_threads(
     build: EngineFactory, files: list[int]
 ) -> None:

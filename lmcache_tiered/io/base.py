@@ -17,6 +17,12 @@ from dataclasses import dataclass
 ALIGN = 4096
 
 
+def write_depth(queue_depth: int) -> int:
+    """Most writes an engine keeps in flight: half its depth (at least one),
+    so reads, which go first, always find room beside a long run of writes."""
+    return max(1, queue_depth // 2)
+
+
 @dataclass(frozen=True, slots=True)
 class IORequest:
     """One contiguous transfer between a registered file and a buffer.

@@ -12,10 +12,11 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-from lmcache_tiered.io.base import IOEngine, IORequest
+from lmcache_tiered.io.base import IOEngine, IORequest, write_depth
 
 #: More threads than this only add contention on a host's few cores.
 MAX_THREADS = 64
@@ -24,13 +25,14 @@ MAX_THREADS = 64
 class _Batch:
     """Collects the results of one ``submit`` and resolves its future once."""
 
-    __slots__ = ("future", "results", "remaining", "lock")
+    __slots__ = ("future", "results", "remaining", "lock", "write")
 
-    def __init__(self, future: Future[list[int]], size: int) -> None:
+    def __init__(self, future: Future[list[int]], size: int, write: bool) -> None:
         self.future = future
         self.results = [0] * size
         self.remaining = size
         self.lock = threading.Lock()
+        self.write = write
 
     def finish(self, index: int, result: int) -> None:
         with self.lock:
@@ -41,20 +43,27 @@ class _Batch:
             self.future.set_result(self.results)
 
 
+_Work = tuple[_Batch, int, IORequest]
+
+
 class ThreadEngine(IOEngine):
-    """``queue_depth`` threads (at most :data:`MAX_THREADS`) doing positioned I/O."""
+    """``queue_depth`` threads (at most :data:`MAX_THREADS`) doing positioned
+    I/O, reads first, writes on at most half of them."""
 
     name = "threads"
 
     def __init__(self, fds: Sequence[int], queue_depth: int) -> None:
         super().__init__(fds, queue_depth)
         self.threads = min(queue_depth, MAX_THREADS)
-        self._pool = ThreadPoolExecutor(
-            max_workers=self.threads, thread_name_prefix="lmcache-tiered-io"
-        )
-        # Makes "enqueue a whole batch" atomic with respect to close().
-        self._lock = threading.Lock()
+        self._write_threads = write_depth(self.threads)
+        self._ready = threading.Condition()
+        self._reads: deque[_Work] = deque()
+        self._writes: deque[_Work] = deque()
+        self._writing = 0
+        self._idle = 0
         self._closed = False
+        #: started as work comes, up to ``threads``
+        self._workers: list[threading.Thread] = []
 
     def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
         future: Future[list[int]] = Future()
@@ -62,18 +71,55 @@ class ThreadEngine(IOEngine):
         if not requests:
             future.set_result([])
             return future
-        batch = _Batch(future, len(requests))
-        with self._lock:
+        batch = _Batch(future, len(requests), write)
+        with self._ready:
             if self._closed:
                 raise RuntimeError("ThreadEngine is closed")
-            for index, request in enumerate(requests):
-                self._pool.submit(self._transfer, batch, index, request, write)
+            queue = self._writes if write else self._reads
+            queue.extend(
+                (batch, index, request) for index, request in enumerate(requests)
+            )
+            # idle workers take what they can; new ones, up to ``threads``,
+            # the rest
+            woken = min(self._idle, len(requests))
+            self._idle -= woken
+            self._ready.notify(woken)
+            wanted = min(len(requests) - woken, self.threads - len(self._workers))
+            for _ in range(wanted):
+                worker = threading.Thread(
+                    target=self._work,
+                    name=f"lmcache-tiered-io_{len(self._workers)}",
+                    daemon=True,
+                )
+                worker.start()
+                self._workers.append(worker)
         return future
 
-    def _transfer(
-        self, batch: _Batch, index: int, request: IORequest, write: bool
-    ) -> None:
-        batch.finish(index, self._do_transfer(request, write))
+    def _next(self) -> _Work | None:
+        """The next transfer, reads first; None once closed and drained."""
+        with self._ready:
+            while True:
+                if self._reads:
+                    return self._reads.popleft()
+                if self._writes and self._writing < self._write_threads:
+                    self._writing += 1
+                    return self._writes.popleft()
+                if self._closed and not self._writes:
+                    return None
+                self._idle += 1  # the notifier takes it off
+                self._ready.wait()
+
+    def _work(self) -> None:
+        while (work := self._next()) is not None:
+            batch, index, request = work
+            result = self._do_transfer(request, batch.write)
+            if batch.write:
+                with self._ready:
+                    self._writing -= 1
+                    if self._writes and self._idle:
+                        self._idle -= 1
+                        self._ready.notify()
+            batch.finish(index, result)
 
     def _do_transfer(self, request: IORequest, write: bool) -> int:
         # Python indexing would accept -1: a file index is checked explicitly.
@@ -93,6 +139,10 @@ class ThreadEngine(IOEngine):
             return -errno.EINVAL
 
     def close(self) -> None:
-        with self._lock:
+        with self._ready:
             self._closed = True
-        self._pool.shutdown(wait=True)
+            self._idle = 0
+            self._ready.notify_all()
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join()

@@ -16,10 +16,13 @@ Why it is built this way:
   several times because the kernel skips pinning pages on every request.
 * Requests carry address and length in the entry itself (``READ``/``WRITE``,
   Linux 5.6), so there is no iovec to keep alive or to leak.
-* At most ``queue_depth`` requests are in flight; the rest wait in a pending
-  queue that the reaper tops up as completions arrive, so one huge batch
-  cannot starve the others and the completion queue (twice the submission
-  queue) can never overflow.
+* At most ``queue_depth`` requests are in flight; the rest wait in pending
+  queues that the reaper tops up as completions arrive, so the completion
+  queue (twice the submission queue) can never overflow. Reads go first and
+  writes take at most half the depth (:func:`~lmcache_tiered.io.base.write_depth`):
+  a read that a request waits on must not queue behind gigabytes of writes
+  that nothing waits on (a 128 MiB load behind a 1 GB store burst took
+  2.7 s instead of 0.3 s on four drives of 100 MB/s).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from lmcache_tiered.io import ring as uring_abi
-from lmcache_tiered.io.base import IOEngine, IORequest
+from lmcache_tiered.io.base import IOEngine, IORequest, write_depth
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -150,7 +153,10 @@ class UringEngine(IOEngine):
             os.close(self._efd)
             raise
         self._lock = threading.Lock()
-        self._pending: deque[_Op] = deque()
+        self._pending_reads: deque[_Op] = deque()
+        self._pending_writes: deque[_Op] = deque()
+        self._write_depth = write_depth(self._depth)
+        self._writes_inflight = 0
         self._inflight: dict[int, _Op] = {}
         self._next_tag = 1
         self._closing = False
@@ -198,7 +204,7 @@ class UringEngine(IOEngine):
         with self._lock:
             if self._closing:
                 raise RuntimeError("UringEngine is closed")
-            self._pending.extend(ops)
+            (self._pending_writes if write else self._pending_reads).extend(ops)
             # Under the lock: once close() has run, the eventfd number may
             # belong to another file. The write never blocks.
             os.eventfd_write(self._efd, 1)  # the reaper submits
@@ -271,27 +277,46 @@ class UringEngine(IOEngine):
             with self._lock:
                 self._reap_locked(done)
                 self._fill_locked(done)
-                stop = self._closing and not self._pending and not self._inflight
+                stop = self._closing and not self._inflight and not self._waiting()
             for batch in done:
                 batch.future.set_result(batch.results)
             if stop:
                 return
 
+    def _waiting(self) -> bool:
+        return bool(self._pending_reads or self._pending_writes)
+
     def _reap_locked(self, done: list[_Batch]) -> None:
         completions = self._ring.reap()
         for tag, result in completions:
             op = self._inflight.pop(tag, None)
-            if op is not None and op.batch.finish(op.index, result):
+            if op is None:
+                continue
+            if op.batch.write:
+                self._writes_inflight -= 1
+            if op.batch.finish(op.index, result):
                 done.append(op.batch)
         self._completions += len(completions)
 
+    def _next_locked(self) -> _Op | None:
+        """The next request to go out: reads first, writes within their share."""
+        if self._pending_reads:
+            return self._pending_reads.popleft()
+        if self._pending_writes and self._writes_inflight < self._write_depth:
+            return self._pending_writes.popleft()
+        return None
+
     def _fill_locked(self, done: list[_Batch]) -> None:
         space = self._ring.space()
-        while self._pending and len(self._inflight) < self._depth and space:
-            op = self._pending.popleft()
+        while len(self._inflight) < self._depth and space:
+            op = self._next_locked()
+            if op is None:
+                break
             tag = self._prep(op)
             if tag:
                 self._inflight[tag] = op
+                if op.batch.write:
+                    self._writes_inflight += 1
                 space -= 1
             elif op.batch.finish(op.index, -errno.EINVAL):
                 done.append(op.batch)
