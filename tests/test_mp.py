@@ -62,6 +62,7 @@ from lmcache.v1.platform import consume_fd
 from lmcache_tiered._lmcache import object_key_to_string
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
+from lmcache_tiered.integration import mp as mp_module
 from lmcache_tiered.integration.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.uring import UringEngine
@@ -570,6 +571,44 @@ def test_two_controller_threads_at_once(
         thread.join(60)
     assert not errors, errors
     assert caller.lookup([okey(i) for i in range(24)]) == list(range(24))
+
+
+def test_queued_stores_are_written_and_reported_a_bounded_batch_at_a_time(
+    adapter_factory: Callable[..., TieredL2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LMCache keeps a store task's L1 objects locked until it is reported: a
+    backlog of stores goes out in batches of at most STORE_BATCH_BYTES, each
+    reported once written, not as one batch reported at its end."""
+    monkeypatch.setattr(mp_module, "STORE_BATCH_BYTES", 2 * CHUNK)
+    adapter = adapter_factory()
+    caller = Caller(adapter)
+    assert caller.store([okey(0)], [memory_obj()])  # opens the tiers
+    cache = adapter_cache(adapter)
+    release, entered = threading.Event(), threading.Event()
+    batches: list[int] = []
+    store = cache.store
+
+    def recorded_store(payloads: list[Any]) -> list[bool]:
+        batches.append(len(payloads))
+        entered.set()
+        assert release.wait(TIMEOUT_MS / 1000)
+        return store(payloads)
+
+    monkeypatch.setattr(cache, "store", recorded_store)
+    first = adapter.submit_store_task([okey(1)], [memory_obj()])
+    assert entered.wait(TIMEOUT_MS / 1000)
+    backlog = [
+        adapter.submit_store_task([okey(10 + i)], [memory_obj(seed=i)])
+        for i in range(7)
+    ]
+    release.set()
+    done: dict[int, Any] = {}
+    while len(done) < 8:
+        Caller._wait(adapter.get_store_event_fd())
+        done.update(adapter.pop_completed_store_tasks())
+    assert all(done[task].is_successful() for task in [first, *backlog])
+    assert batches == [1, 2, 2, 2, 1]
 
 
 # --------------------------------------------------- warm, cold, warm-up

@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -55,13 +56,24 @@ _Job = TypeVar("_Job")
 class BatchWorker(Generic[_Job]):
     """A thread that hands every job queued so far to ``handle`` as one batch.
 
+    With ``weigh``, a batch stops before the job that would take it past
+    ``max_weight`` (it always holds one job): the jobs after it wait for the
+    next call instead of making this one, and every result in it, later.
     ``handle`` publishes its own results and failures; an exception that
     escapes it is logged and the thread goes on. :meth:`stop` lets it finish
     what is queued, so no accepted job is left undone.
     """
 
-    def __init__(self, name: str, handle: Callable[[list[_Job]], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        handle: Callable[[list[_Job]], None],
+        weigh: Callable[[_Job], int] | None = None,
+        max_weight: int = 0,
+    ) -> None:
         self._handle = handle
+        self._weigh = weigh
+        self._max_weight = max_weight
         #: jobs, flush markers (set once every earlier job is handled) and
         #: None, which stops the thread
         self._queue: queue.SimpleQueue[_Job | threading.Event | None] = (
@@ -87,11 +99,33 @@ class BatchWorker(Generic[_Job]):
         self._queue.put(None)
         self._thread.join()
 
+    def _take(
+        self, backlog: deque[_Job | threading.Event | None]
+    ) -> list[_Job | threading.Event | None]:
+        """The next batch's items from the front of ``backlog``, in order."""
+        items: list[_Job | threading.Event | None] = []
+        weight = 0
+        while backlog:
+            item = backlog[0]
+            if (
+                self._weigh is not None
+                and item is not None
+                and not isinstance(item, threading.Event)
+            ):
+                weight += self._weigh(item)
+                if items and weight > self._max_weight:
+                    break
+            items.append(backlog.popleft())
+        return items
+
     def _run(self) -> None:
+        backlog: deque[_Job | threading.Event | None] = deque()
         while True:
-            items = [self._queue.get()]
+            if not backlog:
+                backlog.append(self._queue.get())
             while not self._queue.empty():
-                items.append(self._queue.get())
+                backlog.append(self._queue.get())
+            items = self._take(backlog)
             jobs = [
                 i for i in items if i is not None and not isinstance(i, threading.Event)
             ]

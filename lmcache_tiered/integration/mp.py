@@ -33,8 +33,11 @@ into cache calls:
   warm.
 * Work runs on three threads (store, lookup/unlock, load:
   :class:`lmcache_tiered.cache.writer.BatchWorker`), so a long store batch never
-  delays a lookup or a load; each thread takes every task queued so far as
-  one cache call, so one call's I/O keeps all devices busy. A
+  delays a lookup, and a load's reads go to the devices before the stores'
+  writes (the I/O engines start reads first); each thread takes every task
+  queued so far as one cache call, so one call's I/O keeps all devices busy,
+  stores up to :data:`STORE_BATCH_BYTES` a call, so their L1 objects are
+  released as they are written, not all at the end. A
   thread signals the operation's event fd once the results it produced are
   queryable; ``submit_*`` calls only queue.
 * Lookup-and-lock pins each chunk found in the tier that holds it (a pinned
@@ -103,6 +106,11 @@ logger = logging.getLogger("lmcache_tiered")
 #: File owner name of the adapter's tiers: one server process per host owns
 #: them, holding every kv rank (the in-process plugin's are ``kv-w<worker>``).
 OWNER = "kv-mp"
+#: Most bytes of store tasks written as one batch. LMCache keeps a task's L1
+#: objects locked (not evictable) until the task is reported, and a batch's
+#: tasks are reported together: a batch of everything queued held gigabytes
+#: of L1 for seconds, and prefetches found no room in L1.
+STORE_BATCH_BYTES = 256 << 20
 
 
 class TieredL2AdapterConfig(L2AdapterConfigBase):
@@ -259,7 +267,10 @@ class TieredL2Adapter(L2Ledger):
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
         self._stores_worker = BatchWorker[_Task](
-            "lmcache-tiered-l2-store", self._run_stores
+            "lmcache-tiered-l2-store",
+            self._run_stores,
+            weigh=lambda task: sum(obj.get_size() for obj in task.objects),
+            max_weight=STORE_BATCH_BYTES,
         )
         self._lookups_worker = BatchWorker[_LookupJob](
             "lmcache-tiered-l2-lookup", self._run_lookups
