@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import resource
 import shutil
@@ -141,6 +142,26 @@ def test_reference_profile_kv_bytes_and_scale() -> None:
     with pytest.raises(ValueError, match="Did you mean qwen3-coder-480b-fp8-tp8"):
         get_profile("qwen3-coder-480b-fp8")
     assert set(PROFILES) >= {"qwen3-coder-480b-fp8-tp8", "llama-3.1-8b-tp1"}
+
+
+def test_llama_profile_prefills_as_fast_as_the_h200_measured() -> None:
+    """The Llama profile's prefill is the whole forward gpu_rates timed on an
+    H200 (59-61 ms at 2,048 tokens, 255-256 ms at 8,192; docs/bench.md)."""
+    llama = get_profile("llama-3.1-8b-tp1")
+    assert llama.prefill_s(2048, 0) == pytest.approx(0.060, rel=0.05)
+    assert llama.prefill_s(8192, 0) == pytest.approx(0.2555, rel=0.05)
+
+
+def test_gpu_rates_names_what_it_needs_on_a_machine_without_a_gpu() -> None:
+    child = subprocess.run(
+        [sys.executable, "-m", "lmcache_tiered.bench.gpu_rates"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert child.returncode == 1
+    assert "no CUDA GPU here" in child.stderr
 
 
 def test_device_spec_parses_and_names_bad_text() -> None:

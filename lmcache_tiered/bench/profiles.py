@@ -13,8 +13,8 @@ Prefill time of ``n`` new tokens after ``c`` cached ones (:meth:`prefill_s`)::
 
     linear    = 2 * active_params * n                       (matmul FLOPs)
     attention = 4 * num_layers * num_q_heads * head_dim * (n * c + n * n / 2)
-    time      = linear / (tp * peak_linear_flops * mfu)
-              + attention / (tp * peak_attention_flops * mfu)
+    time      = linear / (tp * peak_linear_flops * linear_efficiency)
+              + attention / (tp * peak_attention_flops * attention_efficiency)
 
 (QK^T and AV cost 2 * head_dim FLOPs each per head and query-key pair; a
 causal prefill has ``n * c + n^2 / 2`` pairs.)
@@ -47,10 +47,12 @@ Copies between LMCache's CPU buffers and the GPU (a load's upload, a save's
 download) take ``bytes / pcie_bytes_per_s``: the bench charges that instead
 of the time its stand-in "GPU", a CPU tensor, takes to copy.
 
-The efficiencies ``mfu``/``mbu``, the step overhead and the PCIe rate are
-assumptions, not measurements: they set the modelled GPU's speed, the same
-for every policy, so comparisons between policies hold whatever their exact
-values.
+The efficiencies (the share of a peak the kernels reach), ``mbu`` and the
+PCIe rate were measured on an H200 by :mod:`lmcache_tiered.bench.gpu_rates`
+(each profile's ``source`` gives the readings); the tensor-parallel
+all-reduces and the step overhead are not measured (one GPU, no vLLM there)
+and stay assumptions. They set the modelled GPU's speed, the same for every
+policy and for vLLM alone.
 
 KV scale-down (:func:`bench_shape`): a run stores ``kv_bytes_per_token / F``
 bytes per token, so the working set fits a small machine. The clock is not
@@ -77,9 +79,13 @@ H200_MEMORY_BYTES = 141e9
 H200_FP8_FLOPS = 1979e12
 H200_BF16_FLOPS = 989e12
 H200_HBM_BYTES_PER_S = 4.8e12
-#: Host link of one GPU, PCIe Gen5 x16: 64 GB/s per direction on paper,
-#: about 50 GB/s in pinned-memory copies (assumed).
-PCIE5_X16_BYTES_PER_S = 50e9
+#: Host link of one H200, PCIe Gen5 x16: 64 GB/s per direction on paper;
+#: pinned-memory copies of 8 MiB measured 51-54 GB/s each way, 1 GiB 54-55
+#: (``gpu_rates``, 2026-12-04)
+PCIE5_X16_BYTES_PER_S = 53e9
+#: Decode reads weights at 3.58-3.76 TB/s on an H200: 0.745-0.783 of HBM3e's
+#: 4.8 TB/s (``gpu_rates``: bf16 products of a batch of 16, 2026-12-04)
+H200_DECODE_MBU = 0.75
 
 #: vLLM's default share of GPU memory it may use (``gpu_memory_utilization``).
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
@@ -128,7 +134,8 @@ class Profile(Protocol):
 @dataclass(frozen=True, slots=True)
 class ModelProfile:
     """One model on one GPU setup, its times derived from datasheet peaks and
-    assumed efficiencies; see the module docstring for the formulas."""
+    the efficiencies measured on that GPU; see the module docstring for the
+    formulas."""
 
     name: str
     #: where the numbers come from (copied into the bench's JSON)
@@ -152,7 +159,9 @@ class ModelProfile:
     hbm_bytes_per_s: float
     #: CPU <-> GPU copy bandwidth of one rank (LMCache's loads and saves)
     pcie_bytes_per_s: float
-    mfu: float
+    #: shares of the peaks prefill's matrix products and attention reach
+    linear_efficiency: float
+    attention_efficiency: float
     mbu: float
     step_overhead_s: float
     #: all parameters (every expert), for the weights each rank holds
@@ -202,8 +211,10 @@ class ModelProfile:
         linear = 2.0 * self.active_params * new_tokens
         pairs = new_tokens * cached_tokens + new_tokens * new_tokens / 2.0
         attention = 4.0 * self.num_layers * self.num_q_heads * self.head_dim * pairs
-        return linear / (self.tp * self.peak_linear_flops * self.mfu) + attention / (
-            self.tp * self.peak_attention_flops * self.mfu
+        linear_flops = self.peak_linear_flops * self.linear_efficiency
+        attention_flops = self.peak_attention_flops * self.attention_efficiency
+        return linear / (self.tp * linear_flops) + attention / (
+            self.tp * attention_flops
         )
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
@@ -323,7 +334,14 @@ PROFILES: dict[str, Profile] = {
                 "vLLM's KV budget per rank: 0.9 x 141 GB - 60.0 GB of FP8 weights "
                 "(480.1e9 / 8) - 4 GB activations and CUDA graphs (assumed) = "
                 "62.9 GB, 1.98M tokens. "
-                "Assumed: prefill MFU 0.3, decode MBU 0.6, 3 ms per step."
+                "Measured on one H200 (gpu_rates, 2026-12-04): one rank's FP8 "
+                "products (q/k/v/o, 160 experts of 320, 8 per token) reach 0.19 "
+                "of the FP8 peak at 2,048 and 8,192 tokens a step (the faster "
+                "of one grouped kernel and one product per expert); its flash "
+                "attention (12 query heads, 1 KV head) 0.51-0.55 of bf16's at "
+                "8,192 new or 2,048 after 16k-64k cached tokens; weights read "
+                "at 0.75 of HBM; host link 53 GB/s. Assumed: all-reduces "
+                "free (not measured on one GPU), 3 ms per decode step."
             ),
             num_layers=_QWEN3_CODER_LAYERS,
             num_q_heads=96,
@@ -346,8 +364,9 @@ PROFILES: dict[str, Profile] = {
             peak_attention_flops=H200_BF16_FLOPS,
             hbm_bytes_per_s=H200_HBM_BYTES_PER_S,
             pcie_bytes_per_s=PCIE5_X16_BYTES_PER_S,
-            mfu=0.3,
-            mbu=0.6,
+            linear_efficiency=0.19,
+            attention_efficiency=0.53,
+            mbu=H200_DECODE_MBU,
             step_overhead_s=0.003,
             kv_scale=16,
         ),
@@ -358,7 +377,12 @@ PROFILES: dict[str, Profile] = {
                 "/ 8 KV heads of dim 128, 8.03e9 parameters, bf16 weights and KV "
                 "(131,072 KV bytes per token). One H200 SXM; vLLM's KV budget "
                 "0.9 x 141 GB - 16.1 GB weights - 2 GB activations (assumed). "
-                "Assumed: prefill MFU 0.4, decode MBU 0.6, 1 ms per step."
+                "Measured on one H200 (gpu_rates, 2026-12-04): a whole "
+                "random-weight Llama-3.1-8B prefill (transformers, sdpa) took "
+                "59-61 ms at 2,048 tokens and 255-256 ms at 8,192: these FLOPs "
+                "at 0.57-0.59 of the bf16 peak (its products alone "
+                "reach 0.80-0.83, flash attention 0.38-0.70); weights read at "
+                "0.75 of HBM; host link 53 GB/s. Assumed: 1 ms per step."
             ),
             num_layers=_LLAMA_8B_LAYERS,
             num_q_heads=32,
@@ -379,8 +403,9 @@ PROFILES: dict[str, Profile] = {
             peak_attention_flops=H200_BF16_FLOPS,
             hbm_bytes_per_s=H200_HBM_BYTES_PER_S,
             pcie_bytes_per_s=PCIE5_X16_BYTES_PER_S,
-            mfu=0.4,
-            mbu=0.6,
+            linear_efficiency=0.58,
+            attention_efficiency=0.58,
+            mbu=H200_DECODE_MBU,
             step_overhead_s=0.001,
             kv_scale=64,
         ),
