@@ -168,3 +168,46 @@ def test_close_writes_what_it_can_in_time_and_releases_the_rest(
         assert sorted(k.chunk_hash for k in tier.stored_keys()) == [0, 1, 2, 3]
     finally:
         tier.close()
+
+
+def test_queued_puts_are_written_and_released_a_bounded_batch_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog of puts goes to the tier in batches of at most
+    WRITE_BATCH_BYTES: each batch's objects are released once it is written,
+    not once the whole backlog is (LMCache cannot evict them until then)."""
+    chunk_bytes = SHAPE.numel() * 2
+    monkeypatch.setattr(writer_module, "WRITE_BATCH_BYTES", 2 * chunk_bytes)
+    config = TieredConfig.from_extra_config(
+        {"tiered.warm.paths": [str(tmp_path)], "tiered.warmup.policy": "none"}
+    )
+    cache = TieredCache(
+        config, owner="kv-w0", max_payload=chunk_bytes, local_workers=1, hot=None
+    )
+    release, entered = threading.Event(), threading.Event()
+    batches: list[int] = []
+    store = cache.store
+
+    def recorded_store(payloads: list[Payload]) -> list[bool]:
+        batches.append(len(payloads))
+        entered.set()
+        assert release.wait(10)
+        return store(payloads)
+
+    cache.store = recorded_store  # type: ignore[method-assign]
+    allocator = new_allocator(16 << 20)
+    keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(7)]
+    objs = [
+        allocator.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_2LTD) for _ in keys
+    ]
+    cache.put(keys[:1], objs[:1])
+    assert entered.wait(10)
+    for key, obj in zip(keys[1:], objs[1:], strict=True):
+        cache.put([key], [obj])
+    release.set()
+    assert cache.writer.flush(10)
+    assert batches == [1, 2, 2, 2]
+    assert [o.get_ref_count() for o in objs] == [1] * 7
+    cache.close()
+    for obj in objs:
+        obj.ref_count_down()

@@ -60,9 +60,9 @@ from lmcache.v1.memory_management import (
 from lmcache.v1.platform import consume_fd
 
 from lmcache_tiered._lmcache import object_key_to_string
+from lmcache_tiered.cache import writer
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
-from lmcache_tiered.integration import mp as mp_module
 from lmcache_tiered.integration.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.uring import UringEngine
@@ -578,9 +578,9 @@ def test_queued_stores_are_written_and_reported_a_bounded_batch_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """LMCache keeps a store task's L1 objects locked until it is reported: a
-    backlog of stores goes out in batches of at most STORE_BATCH_BYTES, each
+    backlog of stores goes out in batches of at most WRITE_BATCH_BYTES, each
     reported once written, not as one batch reported at its end."""
-    monkeypatch.setattr(mp_module, "STORE_BATCH_BYTES", 2 * CHUNK)
+    monkeypatch.setattr(writer, "WRITE_BATCH_BYTES", 2 * CHUNK)
     adapter = adapter_factory()
     caller = Caller(adapter)
     assert caller.store([okey(0)], [memory_obj()])  # opens the tiers

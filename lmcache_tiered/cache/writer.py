@@ -49,6 +49,11 @@ MAX_QUEUED_BYTES = 2 << 30
 #: Longest close, or an exiting interpreter, waits for the puts still queued
 #: (seconds)
 EXIT_FLUSH_S = 30.0
+#: Most bytes written as one batch. What a batch writes is released (LMCache's
+#: objects, L1 locks in multi-process mode) only when all of it is written: a
+#: batch of everything queued kept gigabytes of LMCache's memory unevictable
+#: for seconds, and loads found no room in it.
+WRITE_BATCH_BYTES = 256 << 20
 
 _Job = TypeVar("_Job")
 
@@ -173,7 +178,12 @@ class Writer:
         #: puts refused because MAX_QUEUED_BYTES were already queued, or still
         #: queued when a close timed out
         self.puts_dropped = 0
-        self._worker = BatchWorker[_Batch](name, self._write)
+        self._worker = BatchWorker[_Batch](
+            name,
+            self._write,
+            weigh=lambda batch: sum(len(p.view) for p in batch.payloads),
+            max_weight=WRITE_BATCH_BYTES,
+        )
         _flush_at_exit(self)
 
     def enqueue(

@@ -36,8 +36,9 @@ into cache calls:
   delays a lookup, and a load's reads go to the devices before the stores'
   writes (the I/O engines start reads first); each thread takes every task
   queued so far as one cache call, so one call's I/O keeps all devices busy,
-  stores up to :data:`STORE_BATCH_BYTES` a call, so their L1 objects are
-  released as they are written, not all at the end. A
+  stores up to :data:`~lmcache_tiered.cache.writer.WRITE_BATCH_BYTES` a
+  call: LMCache keeps a store task's L1 objects locked until it is reported,
+  so a backlog is released as it is written, not all at its end. A
   thread signals the operation's event fd once the results it produced are
   queryable; ``submit_*`` calls only queue.
 * Lookup-and-lock pins each chunk found in the tier that holds it (a pinned
@@ -87,6 +88,7 @@ from lmcache.v1.memory_management import (
 from lmcache.v1.platform import create_event_notifier
 
 from lmcache_tiered._lmcache import l2_memory_tags
+from lmcache_tiered.cache import writer
 from lmcache_tiered.cache.tiered_cache import (
     EmptyView,
     TieredCache,
@@ -106,11 +108,6 @@ logger = logging.getLogger("lmcache_tiered")
 #: File owner name of the adapter's tiers: one server process per host owns
 #: them, holding every kv rank (the in-process plugin's are ``kv-w<worker>``).
 OWNER = "kv-mp"
-#: Most bytes of store tasks written as one batch. LMCache keeps a task's L1
-#: objects locked (not evictable) until the task is reported, and a batch's
-#: tasks are reported together: a batch of everything queued held gigabytes
-#: of L1 for seconds, and prefetches found no room in L1.
-STORE_BATCH_BYTES = 256 << 20
 
 
 class TieredL2AdapterConfig(L2AdapterConfigBase):
@@ -270,7 +267,7 @@ class TieredL2Adapter(L2Ledger):
             "lmcache-tiered-l2-store",
             self._run_stores,
             weigh=lambda task: sum(obj.get_size() for obj in task.objects),
-            max_weight=STORE_BATCH_BYTES,
+            max_weight=writer.WRITE_BATCH_BYTES,
         )
         self._lookups_worker = BatchWorker[_LookupJob](
             "lmcache-tiered-l2-lookup", self._run_lookups
