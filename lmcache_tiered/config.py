@@ -258,8 +258,8 @@ SETTINGS: dict[str, Setting] = {
     "queue_depth": Setting(
         _in_range(_positive(_parse_int), 1, MAX_QUEUE_DEPTH),
         64,
-        f"I/O requests kept in flight per tier; at most {MAX_QUEUE_DEPTH} (the "
-        "kernel's io_uring limit), each engine caps it lower",
+        f"I/O requests kept in flight per tier, writes on at most half; at most "
+        f"{MAX_QUEUE_DEPTH} (the kernel's io_uring limit), each engine caps it lower",
     ),
     "stripe_kb": Setting(
         _in_range(_parse_int, 4, MAX_STRIPE_KB),
