@@ -42,6 +42,20 @@ def test_the_parser_of_every_subcommand_imports_nothing_heavy() -> None:
     assert done.stdout.strip() == "[]"
 
 
+def test_parsing_a_run_of_the_bench_imports_no_lmcache() -> None:
+    """LMCache's loggers take LMCACHE_LOG_LEVEL when they are made, and main
+    sets it after parsing: an option's type that imported LMCache (the
+    bench's --warm-drive did) printed an INFO line on every bench run."""
+    done = python(
+        "import sys\n"
+        "from lmcache_tiered.cli import parse_args\n"
+        "parse_args(['bench', '--warm-drive', '1.3,0.5', '--cold-link', '2'])\n"
+        "print('lmcache' in sys.modules)"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("command", ["", *COMMANDS])
 def test_every_help_answers_without_torch_or_lmcache(command: str) -> None:
     argv = [command, "--help"] if command else ["--help"]
