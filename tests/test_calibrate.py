@@ -138,6 +138,19 @@ def test_a_vllm_cache_smaller_than_a_request_is_refused_by_name(
     assert "--kv-cache-gb 0.1" in err and "raise it" in err
 
 
+def test_the_mlp_width_sets_compute_not_kv_bytes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--mlp-size widens the model's MLP (its prefill cost per token) and
+    leaves its KV bytes per token as they are, on every CPU."""
+    wide = TinyLlama.for_this_cpu(4096)
+    assert wide.intermediate_size == 4096
+    assert wide.kv_bytes_per_token == TinyLlama.for_this_cpu().kv_bytes_per_token
+    monkeypatch.setattr(serve_bench, "check_environment", lambda: None)
+    assert main(["serve-bench", "--limit", "2", "--mlp-size", "0"]) == 2
+    assert "--mlp-size: at least 1" in capsys.readouterr().err
+
+
 def test_lmcache_servers_own_copy_timings_become_rates(tmp_path: Path) -> None:
     log = tmp_path / "lmcache.log"
     log.write_text(

@@ -294,7 +294,9 @@ def run_command(args: argparse.Namespace) -> int:
         requests = load_requests(args)
         if not requests:
             raise UsageError("the workload has no requests (--limit?)")
-        model = TinyLlama.for_this_cpu()
+        if args.mlp_size < 1:
+            raise UsageError("--mlp-size: at least 1")
+        model = TinyLlama.for_this_cpu(args.mlp_size)
         longest = max(r.input_length + r.output_length for r in requests)
         max_model_len = max(longest, calibrate.LONGEST) + CHUNK_TOKENS
         holds = kv_cache_tokens(args.kv_cache_gb, model)

@@ -136,8 +136,8 @@ def describe(
             f"({trace.unique_tokens(requests):,} distinct), prefix reuse "
             f"{trace.prefix_reuse(requests):.2f}",
             f"model: random-weight Llama, {m.num_hidden_layers} layers, hidden "
-            f"{m.hidden_size}, {m.num_key_value_heads} KV heads x {m.head_dim}, "
-            f"{m.torch_dtype}: "
+            f"{m.hidden_size}, MLP {m.intermediate_size}, {m.num_key_value_heads} "
+            f"KV heads x {m.head_dim}, {m.torch_dtype}: "
             f"{m.kv_bytes_per_token:,} KV bytes/token",
             f"servers: vLLM max-num-seqs {setup.concurrency}, max-num-batched-"
             f"tokens {setup.token_budget}, KV cache "

@@ -13,6 +13,11 @@ against 48 GFLOP/s, one core of an AMD EPYC VM), so there the model is fp32
 with half the KV heads, the same 32 KiB of KV per token
 (:meth:`TinyLlama.for_this_cpu`).
 
+How fast a CPU prefills it varies 10-30 times between machines (AMX or not),
+so its compute per token is a knob that leaves its KV bytes alone: the MLP's
+width (``intermediate_size``, serve-bench's ``--mlp-size``). Widen it until
+recomputing a reused prefix costs more than loading it (docs/serve-bench.md).
+
 The weights are random: the tokens it generates mean nothing, the time it
 takes to make them is real.
 
@@ -45,16 +50,21 @@ class TinyLlama:
     torch_dtype: str = "bfloat16"
 
     @classmethod
-    def for_this_cpu(cls) -> TinyLlama:
+    def for_this_cpu(cls, intermediate_size: int = 512) -> TinyLlama:
         """bf16 where this CPU has it natively, else fp32 with half the KV
-        heads (the same KV bytes per token; see the module docstring)."""
+        heads (the same KV bytes per token; see the module docstring); an
+        MLP ``intermediate_size`` wide."""
         import torch
 
-        native = cls()
+        native = cls(intermediate_size=intermediate_size)
         if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
             return native
         heads = native.num_key_value_heads // 2
-        return cls(num_key_value_heads=heads, torch_dtype="float32")
+        return cls(
+            intermediate_size=intermediate_size,
+            num_key_value_heads=heads,
+            torch_dtype="float32",
+        )
 
     @property
     def element_bytes(self) -> int:

