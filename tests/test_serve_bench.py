@@ -32,6 +32,8 @@ class StreamingStub:
 
     def __init__(self) -> None:
         self.seen: list[int] = []
+        #: the client's address of each request's connection
+        self.peers: list[Any] = []
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -55,6 +57,8 @@ class StreamingStub:
         if body["prompt"] == [-1]:
             return web.Response(status=400, text="bad prompt")
         self.seen.append(len(body["prompt"]))
+        assert request.transport is not None
+        self.peers.append(request.transport.get_extra_info("peername"))
         response = web.StreamResponse()
         await response.prepare(request)
         await asyncio.sleep(FIRST_S)
@@ -106,6 +110,19 @@ def test_replay_sends_on_the_trace_clock_and_follow_ups_after_their_think_time(
         assert s.sent - s.due < 0.05  # sent on time
         assert FIRST_S <= s.first_token - s.due < FIRST_S + 0.15
         assert s.finished > s.first_token and s.cached_tokens == 256
+
+
+def test_every_request_opens_a_connection_of_its_own(stub: StreamingStub) -> None:
+    """A follow-up turn sent on a pooled connection that the server closes
+    for idling at that moment fails with 'Server disconnected' (uvicorn's
+    5 s keep-alive; a real run lost its stock variant to it): no request
+    reuses a connection."""
+    requests = [
+        Request(0.0, 300, 2, (1,)),
+        Request(0.0, 600, 2, (1, 2), after=0, think_s=0.1),
+    ]
+    http_replay.replay(stub.url, "m", requests, TokenBlocks())
+    assert len(stub.peers) == 2 and stub.peers[0] != stub.peers[1]
 
 
 def test_replay_names_a_refused_request(stub: StreamingStub) -> None:

@@ -114,7 +114,10 @@ async def _replay(
     finished = [asyncio.get_running_loop().create_future() for _ in requests]
     served: list[Served | None] = [None] * len(requests)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=0)  # the server queues, not us
+    # the server queues, not us; and a connection per request: one reused
+    # after idling can be closed by the server (uvicorn's 5 s keep-alive) just
+    # as a request goes out on it, which fails as "Server disconnected"
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.monotonic()
 
