@@ -5,8 +5,12 @@ factors gives the same TTFTs and ranking. Real work (LMCache's calls, this
 machine's I/O) is charged once on the production clock and the drives charge
 production's bytes, so F only changes what this machine stores. Here a small
 workload whose TTFTs are set by loads from disk (no CPU tier, no GPU prefix
-cache) runs at F = 2 and 16 (the rule's two scale factors, 8 times apart)
-through real LMCache, real files and the modelled drives.
+cache) runs at F = 16 (the bench's default) and 128, the rule's two scale
+factors 8 times apart, through real LMCache, real files and the modelled
+drives. (At F = 2 to 8 the bench itself judged the runs of a 2-vCPU Intel VM
+not valid: its loop fell 5-9 % of a TTFT p50 behind the modelled clock,
+where the CPU work per byte is largest; the TTFTs it printed there agreed
+all the same, within 3 %.)
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 DOCUMENT_TOKENS = 1024
 FIRST_READS_MS = (0, 300, 600)
 REREADS_MS = tuple(2000 + 800 * k for k in range(9))
-SCALES = (2, 16)
+SCALES = (16, 128)
 VARIANTS = ("none", variants.LOCAL_DISK, NO_EXTERNAL_CACHE)
 
 
@@ -107,7 +111,7 @@ def valid_summaries_at(tmp_path: Path, scale: int) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def test_the_same_workload_at_f_2_and_16_gives_the_same_ttfts_and_ranking(
+def test_the_same_workload_at_f_16_and_128_gives_the_same_ttfts_and_ranking(
     tmp_path: Path,
 ) -> None:
     runs = {scale: valid_summaries_at(tmp_path, scale) for scale in SCALES}
@@ -135,7 +139,7 @@ def test_the_same_workload_at_f_2_and_16_gives_the_same_ttfts_and_ranking(
         for scale in SCALES
     }
     assert len({tuple(r) for r in rankings.values()}) == 1, rankings
-    assert rankings[2] == [NO_EXTERNAL_CACHE, "none", variants.LOCAL_DISK]
+    assert rankings[SCALES[0]] == [NO_EXTERNAL_CACHE, "none", variants.LOCAL_DISK]
     # the rereads were served from disk, not recomputed
     for scale in SCALES:
         assert runs[scale]["none"]["hit_rate"]["warm"] > 0.5
