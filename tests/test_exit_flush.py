@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,6 +123,26 @@ def test_exit_wait_is_bounded_and_says_what_is_lost(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30
 
 
+def open_cache(path: Path) -> TieredCache:
+    """A warm tier on ``path`` with no warm-up, slots of one :data:`SHAPE`."""
+    config = TieredConfig.from_extra_config(
+        {"tiered.warm.paths": [str(path)], "tiered.warmup.policy": "none"}
+    )
+    return TieredCache(
+        config, owner="kv-w0", max_payload=SHAPE.numel() * 2, local_workers=1, hot=None
+    )
+
+
+def chunks(count: int) -> tuple[list[CacheEngineKey], list[Any]]:
+    """``count`` keys and LMCache objects of :data:`SHAPE` to put."""
+    allocator = new_allocator(16 << 20)
+    keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(count)]
+    objs = [
+        allocator.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_2LTD) for _ in keys
+    ]
+    return keys, objs
+
+
 def test_close_writes_what_it_can_in_time_and_releases_the_rest(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -131,12 +152,7 @@ def test_close_writes_what_it_can_in_time_and_releases_the_rest(
     queued behind it is dropped (counted, one WARNING) and its objects are
     released before close returns, since LMCache frees their memory next."""
     monkeypatch.setattr(writer_module, "EXIT_FLUSH_S", 0.2)
-    config = TieredConfig.from_extra_config(
-        {"tiered.warm.paths": [str(tmp_path)], "tiered.warmup.policy": "none"}
-    )
-    cache = TieredCache(
-        config, owner="kv-w0", max_payload=SHAPE.numel() * 2, local_workers=1, hot=None
-    )
+    cache = open_cache(tmp_path)
     writing = threading.Event()
     store = cache.store
 
@@ -146,11 +162,7 @@ def test_close_writes_what_it_can_in_time_and_releases_the_rest(
         return store(payloads)
 
     cache.store = slow_store  # type: ignore[method-assign]
-    allocator = new_allocator(16 << 20)
-    keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(8)]
-    objs = [
-        allocator.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_2LTD) for _ in keys
-    ]
+    keys, objs = chunks(8)
     cache.put(keys[:4], objs[:4])
     assert writing.wait(10)
     cache.put(keys[4:], objs[4:])  # queued behind the slow batch
@@ -178,12 +190,7 @@ def test_queued_puts_are_written_and_released_a_bounded_batch_at_a_time(
     not once the whole backlog is (LMCache cannot evict them until then)."""
     chunk_bytes = SHAPE.numel() * 2
     monkeypatch.setattr(writer_module, "WRITE_BATCH_BYTES", 2 * chunk_bytes)
-    config = TieredConfig.from_extra_config(
-        {"tiered.warm.paths": [str(tmp_path)], "tiered.warmup.policy": "none"}
-    )
-    cache = TieredCache(
-        config, owner="kv-w0", max_payload=chunk_bytes, local_workers=1, hot=None
-    )
+    cache = open_cache(tmp_path)
     release, entered = threading.Event(), threading.Event()
     batches: list[int] = []
     store = cache.store
@@ -195,11 +202,7 @@ def test_queued_puts_are_written_and_released_a_bounded_batch_at_a_time(
         return store(payloads)
 
     cache.store = recorded_store  # type: ignore[method-assign]
-    allocator = new_allocator(16 << 20)
-    keys = [CacheEngineKey("m", 1, 0, i, torch.bfloat16, None) for i in range(7)]
-    objs = [
-        allocator.allocate(SHAPE, torch.bfloat16, MemoryFormat.KV_2LTD) for _ in keys
-    ]
+    keys, objs = chunks(7)
     cache.put(keys[:1], objs[:1])
     assert entered.wait(10)
     for key, obj in zip(keys[1:], objs[1:], strict=True):
