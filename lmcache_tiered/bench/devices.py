@@ -33,11 +33,10 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # imported where used: parsing --warm-drive imports this
-    # module, and LMCache must not be imported before its log level is set
-    from lmcache_tiered.storage.tier import Tier
+from lmcache_tiered._lmcache import hook_disk_backend_io
+from lmcache_tiered.storage.tier import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +136,4 @@ def model_tier(tier: Tier, device: Device) -> None:
 def model_disk_backend(backend: Any, device: Device) -> None:
     """Every chunk file LMCache's ``LocalDiskBackend`` reads or writes goes
     through ``device``."""
-    from lmcache_tiered._lmcache import hook_disk_backend_io
-
     hook_disk_backend_io(backend, device.transfer)

@@ -81,12 +81,24 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def verbose(argv: Sequence[str]) -> bool:
+    """Whether ``-v``/``--verbose`` is among the options before the subcommand."""
+    for arg in argv:
+        if arg in ("-v", "--verbose"):
+            return True
+        if not arg.startswith("-"):
+            return False
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    level = logging.INFO if args.verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    # LMCache's loggers read this when they are made (at import, which comes
-    # after this point) and print to stderr on their own: at the level chosen
-    # here unless the user set it
+    argv = list(sys.argv[1:] if argv is None else argv)
+    level = logging.INFO if verbose(argv) else logging.WARNING
+    # LMCache's loggers read this when they are made, at import, which can
+    # come while the options are parsed (an option's type may import it), and
+    # print to stderr on their own: at the level chosen here unless the user
+    # set it
     os.environ.setdefault("LMCACHE_LOG_LEVEL", logging.getLevelName(level))
+    args = parse_args(argv)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
