@@ -79,12 +79,10 @@ class ThreadEngine(IOEngine):
             queue.extend(
                 (batch, index, request) for index, request in enumerate(requests)
             )
-            # idle workers take what they can; new ones, up to ``threads``,
+            self._ready.notify(len(requests))
+            # idle workers take what they can, new ones (up to ``threads``)
             # the rest
-            woken = min(self._idle, len(requests))
-            self._idle -= woken
-            self._ready.notify(woken)
-            wanted = min(len(requests) - woken, self.threads - len(self._workers))
+            wanted = min(len(requests) - self._idle, self.threads - len(self._workers))
             for _ in range(wanted):
                 worker = threading.Thread(
                     target=self._work,
@@ -106,8 +104,9 @@ class ThreadEngine(IOEngine):
                     return self._writes.popleft()
                 if self._closed and not self._writes:
                     return None
-                self._idle += 1  # the notifier takes it off
+                self._idle += 1
                 self._ready.wait()
+                self._idle -= 1
 
     def _work(self) -> None:
         while (work := self._next()) is not None:
@@ -116,9 +115,7 @@ class ThreadEngine(IOEngine):
             if batch.write:
                 with self._ready:
                     self._writing -= 1
-                    if self._writes and self._idle:
-                        self._idle -= 1
-                        self._ready.notify()
+                    self._ready.notify()  # a write held back may go now
             batch.finish(index, result)
 
     def _do_transfer(self, request: IORequest, write: bool) -> int:
@@ -141,7 +138,6 @@ class ThreadEngine(IOEngine):
     def close(self) -> None:
         with self._ready:
             self._closed = True
-            self._idle = 0
             self._ready.notify_all()
             workers = list(self._workers)
         for worker in workers:
