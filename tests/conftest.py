@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,6 +54,24 @@ def cache_of(engine: Any) -> TieredCache:
     backend = testing.get_backends(engine)["tiered"]
     assert isinstance(backend, TieredBackend) and backend.cache is not None
     return backend.cache
+
+
+class HeldStores:
+    """Stands in for a cache's ``store``: records each call's payload count
+    and holds every call until ``released`` is set (``entered`` once one has
+    begun), so that work queues up behind it."""
+
+    def __init__(self, store: Callable[[list[Any]], list[bool]]) -> None:
+        self.store = store
+        self.batches: list[int] = []
+        self.entered = threading.Event()
+        self.released = threading.Event()
+
+    def __call__(self, payloads: list[Any]) -> list[bool]:
+        self.batches.append(len(payloads))
+        self.entered.set()
+        assert self.released.wait(20)
+        return self.store(payloads)
 
 
 @pytest.fixture

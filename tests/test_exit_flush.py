@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import new_allocator
+from conftest import HeldStores, new_allocator
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
@@ -191,25 +191,16 @@ def test_queued_puts_are_written_and_released_a_bounded_batch_at_a_time(
     chunk_bytes = SHAPE.numel() * 2
     monkeypatch.setattr(writer_module, "WRITE_BATCH_BYTES", 2 * chunk_bytes)
     cache = open_cache(tmp_path)
-    release, entered = threading.Event(), threading.Event()
-    batches: list[int] = []
-    store = cache.store
-
-    def recorded_store(payloads: list[Payload]) -> list[bool]:
-        batches.append(len(payloads))
-        entered.set()
-        assert release.wait(10)
-        return store(payloads)
-
-    cache.store = recorded_store  # type: ignore[method-assign]
+    held = HeldStores(cache.store)
+    cache.store = held  # type: ignore[method-assign]
     keys, objs = chunks(7)
     cache.put(keys[:1], objs[:1])
-    assert entered.wait(10)
+    assert held.entered.wait(10)
     for key, obj in zip(keys[1:], objs[1:], strict=True):
         cache.put([key], [obj])
-    release.set()
+    held.released.set()
     assert cache.writer.flush(10)
-    assert batches == [1, 2, 2, 2]
+    assert held.batches == [1, 2, 2, 2]
     assert [o.get_ref_count() for o in objs] == [1] * 7
     cache.close()
     for obj in objs:

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ENGINES, wait_until
+from conftest import ENGINES, HeldStores, wait_until
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.distributed.api import (
@@ -585,30 +585,21 @@ def test_queued_stores_are_written_and_reported_a_bounded_batch_at_a_time(
     caller = Caller(adapter)
     assert caller.store([okey(0)], [memory_obj()])  # opens the tiers
     cache = adapter_cache(adapter)
-    release, entered = threading.Event(), threading.Event()
-    batches: list[int] = []
-    store = cache.store
-
-    def recorded_store(payloads: list[Any]) -> list[bool]:
-        batches.append(len(payloads))
-        entered.set()
-        assert release.wait(TIMEOUT_MS / 1000)
-        return store(payloads)
-
-    monkeypatch.setattr(cache, "store", recorded_store)
+    held = HeldStores(cache.store)
+    monkeypatch.setattr(cache, "store", held)
     first = adapter.submit_store_task([okey(1)], [memory_obj()])
-    assert entered.wait(TIMEOUT_MS / 1000)
+    assert held.entered.wait(TIMEOUT_MS / 1000)
     backlog = [
         adapter.submit_store_task([okey(10 + i)], [memory_obj(seed=i)])
         for i in range(7)
     ]
-    release.set()
+    held.released.set()
     done: dict[int, Any] = {}
     while len(done) < 8:
         Caller._wait(adapter.get_store_event_fd())
         done.update(adapter.pop_completed_store_tasks())
     assert all(done[task].is_successful() for task in [first, *backlog])
-    assert batches == [1, 2, 2, 2, 1]
+    assert held.batches == [1, 2, 2, 2, 1]
 
 
 # --------------------------------------------------- warm, cold, warm-up
