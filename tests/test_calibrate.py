@@ -164,13 +164,18 @@ def test_lmcache_servers_own_copy_timings_become_rates(tmp_path: Path) -> None:
         "id=cmpl-1, prefetch_request_id=28)\n"
         "[2026-12-02 03:48:56,653] LMCache INFO: Prefetch request completed "
         "(L1+L2): 6/8 retained keys (0 L1, 6 L2) in 121.3 ms (x)\n"
+        "[2026-12-02 03:48:57,653] LMCache INFO: Prefetch request completed "
+        "(L1+L2): 8/8 retained keys (8 L1, 0 L2) in 20000.0 ms (x)\n"
     )
     moved = servers.lmcache_transfers(log, 1000)
     assert moved is not None
     assert moved["retrieved_tokens"] == 1536 and moved["stored_tokens"] == 1024
     assert moved["retrieve_gbps"] == pytest.approx(1536 * 1000 / 0.25 / 1e9)
     assert moved["store_gbps"] == pytest.approx(1024 * 1000 / 0.25 / 1e9)
-    assert moved["prefetches"] == 2 and moved["prefetch_ms_max"] == 12041.3
+    # the L1-only prefetch is counted, its time (vLLM's step) left out
+    assert moved["prefetches"] == 3 and moved["prefetches_from_l2"] == 2
+    assert moved["prefetch_ms_p50"] == 12041.3
+    assert moved["prefetch_ms_max"] == 12041.3
     log.write_text("nothing timed\n")
     assert servers.lmcache_transfers(log, 1000) is None
     assert servers.lmcache_transfers(tmp_path / "missing.log", 1000) is None

@@ -176,11 +176,13 @@ def report(
                 f"{moved['retrieve_gbps']:.3f} GB/s and out of it at "
                 f"{moved['store_gbps']:.3f} GB/s (its own timings; bench --kv-link)"
             )
-        if moved and moved["prefetches"]:
+        if moved and moved["prefetches_from_l2"]:
             print(
-                f"{name}: lmcache server's {moved['prefetches']} prefetches took "
-                f"{moved['prefetch_ms_p50']:.0f} ms at the median, "
-                f"{moved['prefetch_ms_max']:.0f} ms at most"
+                f"{name}: {moved['prefetches_from_l2']} of lmcache server's "
+                f"{moved['prefetches']} prefetches loaded from L2, and vLLM "
+                f"picked them up {moved['prefetch_ms_p50']:.0f} ms after they "
+                f"were submitted at the median, {moved['prefetch_ms_max']:.0f} ms "
+                "at most (its next scheduler step included)"
             )
     if args.json:
         document = {

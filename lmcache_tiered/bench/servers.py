@@ -196,19 +196,25 @@ def lmcache_server_command(
 
 
 #: LMCache's multi-process server logs each copy between vLLM's KV cache and
-#: its L1 (engine_driven_transfer.py) and each finished prefetch from L2
+#: its L1 (engine_driven_transfer.py) and each finished prefetch
 #: (storage_manager.py), 0.5.6 and 0.5.7rc2, at INFO: the server runs at INFO
-#: whatever level our CLI gave LMCache (its children inherit that)
+#: whatever level our CLI gave LMCache (its children inherit that). A
+#: prefetch's time there runs from its submission to vLLM picking the result
+#: up, which vLLM's scheduler does once a step: it includes that wait, so a
+#: prefetch that loaded nothing from L2 times vLLM's steps, not the storage.
 LMCACHE_SERVER_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": "INFO"}
 _TRANSFER_LINE = re.compile(r"(Retrieved|Stored) (\d+) tokens in ([\d.]+) seconds")
-_PREFETCH_LINE = re.compile(r"Prefetch request completed \(L1\+L2\).* in ([\d.]+) ms")
+_PREFETCH_LINE = re.compile(
+    r"Prefetch request completed \(L1\+L2\).*?\(\d+ L1, (\d+) L2\) in ([\d.]+) ms"
+)
 
 
 def lmcache_transfers(log: Path, kv_bytes_per_token: int) -> dict[str, Any] | None:
     """What ``lmcache server`` timed itself: its KV copies (the log's
     "Retrieved N tokens in S seconds" and "Stored ..."), as rates, which
-    bench's ``--kv-link`` models, and its prefetches' times (a stall shows
-    there first). None where the log has none."""
+    bench's ``--kv-link`` models, and the times of its prefetches that loaded
+    from L2, until vLLM picked them up (see :data:`LMCACHE_SERVER_ENV`; a
+    storage stall shows there first). None where the log has none."""
     tokens = {"Retrieved": 0, "Stored": 0}
     seconds = {"Retrieved": 0.0, "Stored": 0.0}
     try:
@@ -218,8 +224,9 @@ def lmcache_transfers(log: Path, kv_bytes_per_token: int) -> dict[str, Any] | No
     for match in _TRANSFER_LINE.finditer(text):
         tokens[match[1]] += int(match[2])
         seconds[match[1]] += float(match[3])
-    prefetch_ms = sorted(float(m[1]) for m in _PREFETCH_LINE.finditer(text))
-    if not any(tokens.values()) and not prefetch_ms:
+    prefetches = [(int(m[1]), float(m[2])) for m in _PREFETCH_LINE.finditer(text)]
+    prefetch_ms = sorted(ms for from_l2, ms in prefetches if from_l2)
+    if not any(tokens.values()) and not prefetches:
         return None
 
     def gbps(kind: str) -> float | None:
@@ -234,7 +241,8 @@ def lmcache_transfers(log: Path, kv_bytes_per_token: int) -> dict[str, Any] | No
         "stored_tokens": tokens["Stored"],
         "store_s": seconds["Stored"],
         "store_gbps": gbps("Stored"),
-        "prefetches": len(prefetch_ms),
+        "prefetches": len(prefetches),
+        "prefetches_from_l2": len(prefetch_ms),
         "prefetch_ms_p50": prefetch_ms[len(prefetch_ms) // 2] if prefetch_ms else None,
         "prefetch_ms_max": prefetch_ms[-1] if prefetch_ms else None,
     }
