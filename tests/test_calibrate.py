@@ -163,7 +163,8 @@ def test_lmcache_servers_own_copy_timings_become_rates(tmp_path: Path) -> None:
         "(L1+L2): 6/8 retained keys (0 L1, 6 L2) in 12041.3 ms (external_request_"
         "id=cmpl-1, prefetch_request_id=28)\n"
         "[2026-12-02 03:48:56,653] LMCache INFO: Prefetch request completed "
-        "(L1+L2): 6/8 retained keys (0 L1, 6 L2) in 121.3 ms (x)\n"
+        "(L1+L2): 6/8 retained keys (0 L1, 6 L2) in 121.3 ms (external_request_"
+        "id=cmpl-trace-17-0-bc04ac7b, prefetch_request_id=29)\n"
         "[2026-12-02 03:48:57,653] LMCache INFO: Prefetch request completed "
         "(L1+L2): 8/8 retained keys (8 L1, 0 L2) in 20000.0 ms (x)\n"
     )
@@ -176,6 +177,9 @@ def test_lmcache_servers_own_copy_timings_become_rates(tmp_path: Path) -> None:
     assert moved["prefetches"] == 3 and moved["prefetches_from_l2"] == 2
     assert moved["prefetch_ms_p50"] == 12041.3
     assert moved["prefetch_ms_max"] == 12041.3
+    # of the trace's requests, only request 17 loaded from L2 (cmpl-1 is not
+    # one of them: the warm-up request, say)
+    assert moved["requests_from_l2"] == [17]
     log.write_text("nothing timed\n")
     assert servers.lmcache_transfers(log, 1000) is None
     assert servers.lmcache_transfers(tmp_path / "missing.log", 1000) is None

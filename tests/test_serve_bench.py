@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -32,6 +33,8 @@ class StreamingStub:
 
     def __init__(self) -> None:
         self.seen: list[int] = []
+        #: each request's X-Request-Id
+        self.ids: list[str | None] = []
         #: the client's address of each request's connection
         self.peers: list[Any] = []
         self.loop = asyncio.new_event_loop()
@@ -57,6 +60,7 @@ class StreamingStub:
         if body["prompt"] == [-1]:
             return web.Response(status=400, text="bad prompt")
         self.seen.append(len(body["prompt"]))
+        self.ids.append(request.headers.get("X-Request-Id"))
         assert request.transport is not None
         self.peers.append(request.transport.get_extra_info("peername"))
         response = web.StreamResponse()
@@ -110,6 +114,18 @@ def test_replay_sends_on_the_trace_clock_and_follow_ups_after_their_think_time(
         assert s.sent - s.due < 0.05  # sent on time
         assert FIRST_S <= s.first_token - s.due < FIRST_S + 0.15
         assert s.finished > s.first_token and s.cached_tokens == 256
+
+
+def test_each_request_goes_out_with_its_trace_index_as_its_id(
+    stub: StreamingStub,
+) -> None:
+    """vLLM takes X-Request-Id as the request's id and LMCache's log names it:
+    serve-bench tells from the log which requests loaded from L2."""
+    requests = [Request(0.0, 300, 2, (1,)), Request(0.1, 600, 2, (2,))]
+    http_replay.replay(stub.url, "m", requests, TokenBlocks())
+    assert sorted(i or "" for i in stub.ids) == ["trace-0", "trace-1"]
+    http_replay.replay(stub.url, "m", requests[:1], TokenBlocks(), request_id="w{}")
+    assert stub.ids[-1] == "w0"
 
 
 def test_every_request_opens_a_connection_of_its_own(stub: StreamingStub) -> None:
@@ -175,6 +191,34 @@ def test_summary_table_and_line_compare_against_vllm_alone() -> None:
     assert line is not None
     assert "tiered_none TTFT p50 1.50s vs 3.00s no_external_cache (-50%)" in line
     assert "lmcache_stock 1.50s (-50%)" in line and "(not valid)" in line
+
+
+def test_requests_loaded_from_l2_in_any_variant_are_compared_in_every_one() -> None:
+    """The disk-served requests' TTFT p50, over the same requests for every
+    variant: those LMCache's log shows loading from L2 in some variant."""
+
+    def variant(ttfts: list[float], from_l2: list[int] | None) -> dict[str, Any]:
+        records = [served(i, t) for i, t in enumerate(ttfts)]
+        summary = serve_report.summarize(records)
+        summary["records"] = [asdict(r) for r in records]
+        summary["lmcache_transfers"] = (
+            None if from_l2 is None else {"requests_from_l2": from_l2}
+        )
+        return summary
+
+    summaries = {
+        "no_external_cache": variant([5.0, 6.0, 1.0, 7.0], None),
+        "lmcache_stock": variant([3.0, 4.0, 1.0, 5.0], [0, 1]),
+        "tiered_none": variant([1.0, 2.0, 1.0, 2.5], [1, 3]),
+    }
+    found = serve_report.disk_served(summaries)
+    assert found is not None and found["requests"] == [0, 1, 3]
+    assert found["ttft_p50_s"] == pytest.approx(
+        {"no_external_cache": 6.0, "lmcache_stock": 4.0, "tiered_none": 2.0}
+    )
+    for s in summaries.values():
+        s["lmcache_transfers"] = None
+    assert serve_report.disk_served(summaries) is None
 
 
 def test_variant_names_expand_policies_and_number_repeats() -> None:

