@@ -307,6 +307,40 @@ def test_served_chunks_per_tier(tmp_path: Path, variant: str, hot_gb: str) -> No
             assert result.backend_metrics["tiers"]["warm"]["hits"] == 3
 
 
+@pytest.mark.parametrize(
+    ("variant", "loading"),
+    [("none", "sync"), ("none", "prefetch"), (variants.LOCAL_DISK, "prefetch")],
+)
+def test_prefetched_loads_leave_the_engine_loop_to_other_requests(
+    tmp_path: Path, variant: str, loading: str
+) -> None:
+    """B loads A's 3 chunks from a warm drive of 0.1 GB/s (1 s for their
+    production bytes, written by then); C arrives 0.2 s after B. Loaded in
+    the engine loop (``sync``, LMCache in-process) C waits for B's load;
+    prefetched off it (``lmcache server``'s road) C is served while B loads,
+    and B waits for its load without holding up anyone."""
+    trace_path = write_trace(
+        tmp_path / "slow.jsonl",
+        [
+            mooncake(0, 3 * CHUNK + 100, [7, 8]),
+            mooncake(3000, 3 * CHUNK + 700, [7, 8, 9]),
+            mooncake(3200, 300, [20]),
+        ],
+    )
+    args = bench_args(
+        tmp_path,
+        trace_path,
+        *("--hot-gb", "0", "--warm-drive", "0.1,0", "--loading", loading),
+    )
+    _, b, c = run(args, variant).records
+    assert b.served == {"warm": 3}
+    assert b.loaded - b.scheduled >= 0.9  # the drive's time for 3 chunks
+    if loading == "sync":
+        assert c.first_token >= b.loaded
+    else:
+        assert c.first_token < b.loaded - 0.5
+
+
 def test_arrival_hints_reach_the_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -33,7 +33,7 @@ from lmcache_tiered.bench.profiles import (
     get_profile,
 )
 from lmcache_tiered.bench.rawio import IN_MEMORY_FILESYSTEMS, filesystem_type
-from lmcache_tiered.cli.bench import DEFAULT_WARM_DRIVES
+from lmcache_tiered.cli.bench import DEFAULT_WARM_DRIVES, LOADING_SYNC
 from lmcache_tiered.cli.shared import split_list
 
 #: LMCache's chunk size (tokens per key) in every variant.
@@ -73,6 +73,9 @@ class Setup:
     gpu_kv_tokens: int = 0
     #: the cold tier on a real store (LMCache's ``--l2-adapter`` JSON)
     cold_adapter: Mapping[str, Any] | None = None
+    #: how LMCache's hits are loaded (``--loading``, see
+    #: :data:`lmcache_tiered.cli.bench.LOADING_SYNC`)
+    loading: str = LOADING_SYNC
 
     def tier_devices(self) -> dict[str, Device]:
         """Fresh modelled devices for the plugin's tiers: one drive per warm
@@ -207,6 +210,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         warm_drive=args.warm_drive,
         gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
         cold_adapter=args.cold_adapter,
+        loading=args.loading,
     )
 
 
@@ -265,7 +269,8 @@ def describe(
         f"tiers: hot {setup.hot_gb:.2f} GiB CPU (this run's bytes), warm "
         f"{drives_text(setup.warm_paths, setup.warm_drive)} ({setup.warm_gb:.1f} GiB), "
         f"cold {cold}, io engine {setup.io_engine}; concurrency "
-        f"{', '.join(map(str, concurrencies or [setup.concurrency]))}; vLLM's GPU "
+        f"{', '.join(map(str, concurrencies or [setup.concurrency]))}; LMCache's "
+        f"loading {setup.loading}; vLLM's GPU "
         f"prefix cache {setup.gpu_kv_tokens:,} tokens "
         f"({setup.gpu_kv_tokens * profile.kv_bytes_per_token / 1e9:.1f} GB per rank) "
         "in front of every variant",
@@ -349,6 +354,7 @@ def config_json(
         "concurrency": setup.concurrency,
         "token_budget": setup.token_budget,
         "kv_link_gbps": setup.kv_link_bytes_per_s / 1e9,
+        "loading": setup.loading,
         "hot_gb": setup.hot_gb,
         "staging_gb": setup.staging_gb,
         "warm_gb": setup.warm_gb,

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,16 @@ from lmcache_tiered.bench.baseline import GpuPrefixCache
 from lmcache_tiered.bench.progress import ProgressSink
 from lmcache_tiered.bench.report import RequestRecord
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.cli.bench import LOADING_PREFETCH
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.integration.vllm_plugin import HintForwarder
 from lmcache_tiered.testing import CPUConnector
 
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
 _TIER_OF_LOCATION = {"LocalCPUBackend": "hot", "LocalDiskBackend": "warm"}
+#: Prefetches in flight at once with ``--loading prefetch``: LMCache's
+#: multi-process server's default (``--l2-prefetch-max-in-flight``)
+PREFETCHES_IN_FLIGHT = 8
 
 
 def hint_forwarder(backend: TieredBackend | None) -> HintForwarder | None:
@@ -63,13 +68,33 @@ class GpuCopies:
         self.link_bytes_per_s = setup.kv_link_bytes_per_s
         self.measured_s = 0.0
         self.modelled_s = 0.0
+        #: this thread's tally of copies made off the engine loop, if any
+        self._off_loop = threading.local()
         connector = engine.gpu_connector
         assert isinstance(connector, CPUConnector)
         connector.after_copy = self._copied
 
+    @contextlib.contextmanager
+    def off_loop(self) -> Iterator[list[float]]:
+        """Copies this thread makes inside are not the engine loop's (a
+        prefetch, or the multi-process server's copies): tallied, [measured,
+        modelled] seconds, in what this yields instead of the loop's totals."""
+        tally = [0.0, 0.0]
+        self._off_loop.tally = tally
+        try:
+            yield tally
+        finally:
+            self._off_loop.tally = None
+
     def _copied(self, seconds: float, tokens: int) -> None:
+        modelled = tokens * self.bytes_per_token / self.link_bytes_per_s
+        tally = getattr(self._off_loop, "tally", None)
+        if tally is not None:
+            tally[0] += seconds
+            tally[1] += modelled
+            return
         self.measured_s += seconds
-        self.modelled_s += tokens * self.bytes_per_token / self.link_bytes_per_s
+        self.modelled_s += modelled
 
 
 @dataclass(slots=True)
@@ -140,12 +165,21 @@ class Replay:
         ]
         heapq.heapify(self.pending)
         self.waiting: deque[_Live] = deque()
+        #: prefetched requests (``--loading prefetch``), loaded, for a slot
+        self.ready: deque[_Live] = deque()
         self.prefilling: list[_Live] = []
         self.decoding: list[_Live] = []
         self.finished = 0
         self.failure: BaseException | None = None
         self.hints = hint_forwarder(backend)
         self.copies = None if engine is None else GpuCopies(engine, setup)
+        #: loads run off the engine loop, as LMCache's multi-process server
+        #: prefetches them (see :meth:`_prefetch`)
+        self.prefetching = (
+            None
+            if engine is None or setup.loading != LOADING_PREFETCH
+            else ThreadPoolExecutor(PREFETCHES_IN_FLIGHT, "bench-prefetch")
+        )
         self.gpu_cache = GpuPrefixCache(
             setup.gpu_kv_tokens if gpu_kv_tokens is None else gpu_kv_tokens
         )
@@ -186,6 +220,8 @@ class Replay:
                 self.cond.notify_all()
             if frontend.is_alive():
                 frontend.join()
+            if self.prefetching is not None:
+                self.prefetching.shutdown()
             if self.hints is not None:
                 self.hints.close()
         if self.failure is not None:
@@ -195,15 +231,21 @@ class Replay:
     @contextlib.contextmanager
     def _real_work(self) -> Iterator[None]:
         """Real LMCache calls block the GPU for as long as they take, their
-        GPU copies for as long as the modelled link takes."""
+        GPU copies for as long as the modelled link takes; with prefetching
+        the copies are the multi-process server's, off the loop: not at all."""
         began = self.now()
         copies = self.copies
         measured = 0.0 if copies is None else copies.measured_s
         modelled = 0.0 if copies is None else copies.modelled_s
+        off_loop = [0.0, 0.0]
         try:
-            yield
+            if copies is not None and self.prefetching is not None:
+                with copies.off_loop() as off_loop:
+                    yield
+            else:
+                yield
         finally:
-            elapsed = self.now() - began
+            elapsed = self.now() - began - off_loop[0]
             if copies is not None:
                 elapsed += copies.modelled_s - modelled - (copies.measured_s - measured)
             self.gpu += elapsed
@@ -252,7 +294,7 @@ class Replay:
             self._release_due()
             return
         with self.cond:
-            while not self.waiting and not self.done():
+            while not self.waiting and not self.ready and not self.done():
                 self.cond.wait()
         self.gpu = max(self.gpu, self.now())
 
@@ -263,6 +305,9 @@ class Replay:
         free = self.setup.concurrency - len(self.prefilling) - len(self.decoding)
         if self.virtual:
             self._release_due()
+        if self.prefetching is not None:
+            self._admit_prefetched(free)
+            return
         with self.cond:
             count = min(free, len(self.waiting))
             admitted = [self.waiting.popleft() for _ in range(count)]
@@ -286,6 +331,65 @@ class Replay:
         for live in admitted:
             live.loaded = self.gpu
         self.prefilling.extend(admitted)
+
+    def _admit_prefetched(self, free: int) -> None:
+        """``--loading prefetch``: the loaded requests take the free slots
+        first; then, while slots are free, each waiting request is looked up,
+        and one with hits to load is prefetched off the loop and waits without
+        a slot (vLLM skips a request whose KV is still loading), the others
+        take a slot at once."""
+        with self.cond:
+            admitted = [self.ready.popleft() for _ in range(min(free, len(self.ready)))]
+        free -= len(admitted)
+        while free > 0:
+            with self.cond:
+                if not self.waiting:
+                    break
+                live = self.waiting.popleft()
+            self.gpu = max(self.gpu, live.arrival)
+            live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
+                self.requests[live.index]
+            )
+            with self._real_work():
+                live.scheduled = self.gpu
+                live.hits = self._lookup(live)
+            if self._hit_tokens(live) > live.gpu_cached:
+                assert self.prefetching is not None
+                self.prefetching.submit(self._prefetch, live)
+                continue
+            with self._real_work():
+                self._retrieve(live)  # nothing to load: unpins
+            admitted.append(live)
+            free -= 1
+        for live in admitted:
+            live.loaded = self.gpu
+        self.prefilling.extend(admitted)
+
+    def _prefetch(self, live: _Live) -> None:
+        """Load a request's hits off the engine loop (LMCache's multi-process
+        prefetch and its copy into the KV cache, which the modelled link
+        times), then queue it for a slot."""
+        try:
+            assert self.copies is not None
+            with self.copies.off_loop() as copied:
+                self._retrieve(live)
+            measured, modelled = copied
+            time.sleep(max(0.0, modelled - measured))
+        except BaseException as exc:  # surfaced by run()
+            self.failure = exc
+            with self.cond:
+                self.finished = len(self.requests)
+                self.cond.notify_all()
+            return
+        with self.cond:
+            self.ready.append(live)
+            self.cond.notify_all()
+
+    def _hit_tokens(self, live: _Live) -> int:
+        """Prompt tokens of the hit prefix LMCache's lookup found."""
+        return min(
+            len(live.hits) * CHUNK_TOKENS, self.requests[live.index].input_length
+        )
 
     def _lookup_id(self, live: _Live) -> str:
         return f"{self.name}-{live.index}"
@@ -318,7 +422,7 @@ class Replay:
         unpin."""
         assert self.engine is not None
         tokens = self.workload.tokens[live.index]
-        hit_tokens = min(len(live.hits) * CHUNK_TOKENS, len(tokens))
+        hit_tokens = self._hit_tokens(live)
         skip = live.gpu_cached // CHUNK_TOKENS * CHUNK_TOKENS
         lookup_id = self._lookup_id(live)
         if hit_tokens > live.gpu_cached:
@@ -397,7 +501,7 @@ class Replay:
         else:
             with self.cond:
                 self.cond.wait_for(
-                    lambda: bool(self.waiting) or self.done(),
+                    lambda: bool(self.waiting or self.ready) or self.done(),
                     timeout=began + steps * dt - self.now(),
                 )
             steps = min(steps, max(1, math.ceil((self.now() - began) / dt)))

@@ -61,6 +61,11 @@ RUN = "lmcache_tiered.bench.command:main"
 #: Warm drives (directories) when ``--warm`` names none: the deployment the
 #: plugin is built for stripes over several local NVMe drives.
 DEFAULT_WARM_DRIVES = 4
+#: How the served engine loads LMCache's hits (``--loading``): in the engine
+#: loop, blocking the step (vLLM's LMCacheConnectorV1 in-process, LMCache's
+#: default), or prefetched off it (``lmcache server`` with vLLM's
+#: LMCacheMPConnector, the multi-process road)
+LOADING_SYNC, LOADING_PREFETCH = "sync", "prefetch"
 #: The deployment the plugin is built for, at the seed's rates: warm, four
 #: local NVMe drives of 1.31 GB/s + 0.1 ms (5.23 GB/s striped, the seed's
 #: parallel-read rate; one drive, the stock backend's, near its 0.98 GB/s);
@@ -109,6 +114,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/serve-bench.md)",
     )
     model.add_argument(
+        "--loading",
+        choices=(LOADING_SYNC, LOADING_PREFETCH),
+        default=LOADING_SYNC,
+        help=f"how LMCache's hits reach the engine: {LOADING_SYNC}, in the engine "
+        "loop, blocking the step (vLLM's LMCacheConnectorV1, in-process); "
+        f"{LOADING_PREFETCH}, off it (lmcache server and vLLM's "
+        "LMCacheMPConnector: a request waits for its loads and the copies into "
+        "the KV cache without a slot, the others go on; what serve-bench runs) "
+        f"(default: {LOADING_SYNC})",
+    )
+    model.add_argument(
         "--kv-scale",
         type=float,
         metavar="F",
@@ -155,27 +171,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="GB",
         help="HBM per rank for vLLM's KV cache, its GPU prefix cache in front "
-        "of every variant, in production GB; 0: none (default: the profile's "
-        "budget, 0.9 x GPU memory - weights - activations)",
+        "of every variant, in production GB (10^9 bytes); 0: none (default: the "
+        "profile's budget, 0.9 x GPU memory - weights - activations)",
     )
     tiers.add_argument(
         "--hot-gb",
         type=float,
-        metavar="GB",
-        help="LMCache CPU tier size, 0 for none (default: a quarter of the "
-        "workload's distinct KV)",
+        metavar="GIB",
+        help="LMCache CPU tier size in GiB (LMCache's GB), 0 for none (default: "
+        "a quarter of the workload's distinct KV)",
     )
     tiers.add_argument(
         "--warm-gb",
         type=float,
-        metavar="GB",
-        help="warm tier cap (default: the distinct KV and a little room)",
+        metavar="GIB",
+        help="warm tier cap in GiB (default: the distinct KV and a little room)",
     )
     tiers.add_argument(
         "--cold-gb",
         type=float,
-        metavar="GB",
-        help="cold tier cap (default: twice the distinct KV)",
+        metavar="GIB",
+        help="cold tier cap in GiB (default: twice the distinct KV)",
     )
     tiers.add_argument(
         "--warm",
