@@ -341,6 +341,48 @@ def test_prefetched_loads_leave_the_engine_loop_to_other_requests(
         assert c.first_token < b.loaded - 0.5
 
 
+def test_a_variants_process_stops_and_cleans_up_when_the_bench_is_killed(
+    tmp_path: Path,
+) -> None:
+    """A bench killed with SIGKILL (or SIGTERM) cannot stop its variants'
+    processes; each stops itself once its parent is gone, through its
+    ``finally`` blocks (here: a marker file), even while its main thread
+    waits on a lock, as the replay's does."""
+    script = tmp_path / "bench_parent.py"
+    script.write_text(
+        "import multiprocessing, sys, threading, time\n"
+        "def variant(marker):\n"
+        "    from lmcache_tiered.bench.variants import stop_with_parent\n"
+        "    stop_with_parent()\n"
+        "    print('ready', flush=True)\n"
+        "    try:\n"
+        "        threading.Event().wait(60)\n"
+        "    finally:\n"
+        "        open(marker, 'w').write('done')\n"
+        "if __name__ == '__main__':\n"
+        "    context = multiprocessing.get_context('spawn')\n"
+        "    context.Process(target=variant, args=(sys.argv[1],)).start()\n"
+        "    time.sleep(120)\n"
+    )
+    marker = tmp_path / "cleaned"
+    bench = subprocess.Popen(
+        [sys.executable, str(script), str(marker)], stdout=subprocess.PIPE
+    )
+    try:
+        assert bench.stdout is not None
+        assert bench.stdout.readline() == b"ready\n"
+        bench.kill()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if marker.exists() and marker.read_text():
+                break
+            time.sleep(0.05)
+    finally:
+        bench.kill()
+        bench.wait()
+    assert marker.read_text() == "done"
+
+
 def test_arrival_hints_reach_the_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

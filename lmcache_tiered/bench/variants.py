@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import multiprocessing
+import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -302,8 +306,28 @@ def run_variant_apart(
     each finished request is counted in ``done`` (a shared integer) for the
     parent's progress bar. Its own interpreter, so its own GIL: variants
     replayed at once do not make each other's replays lag."""
+    stop_with_parent()
     workload = Workload.build(requests, setup.shape, seed)
     return run_variant(name, setup, workload, name, SharedCount(done))
+
+
+def stop_with_parent() -> None:
+    """Stop this process, as a Ctrl-C would, once the process that started
+    it is gone: a bench killed without the chance to stop its variants'
+    processes (SIGTERM, SIGKILL) must not leave them replaying, writing to
+    the drives and keeping their directories. A thread waits on the parent's
+    sentinel (multiprocessing's) and sends this process SIGINT, which wakes
+    the main thread wherever it waits; its ``finally`` blocks then remove
+    what it made."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="bench-parent-watch", daemon=True).start()
 
 
 def overrun_share(devices: Iterable[Device]) -> float:
