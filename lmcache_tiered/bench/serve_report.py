@@ -190,7 +190,10 @@ def report(
         print(
             f"TTFT p50 over the {len(from_disk['requests'])} requests that loaded "
             "chunks from L2 in some variant: "
-            + ", ".join(f"{n} {t:.2f}s" for n, t in from_disk["ttft_p50_s"].items())
+            + ", ".join(
+                f"{n} {t:.2f}s" + ("" if summaries[n]["valid"] else " (not valid)")
+                for n, t in from_disk["ttft_p50_s"].items()
+            )
         )
     for name, s in summaries.items():
         if not s["valid"]:
