@@ -1,7 +1,7 @@
 """``lmcache-tiered bench``: replay a workload through real LMCache and real I/O.
 
 Only the GPU and the drives are modelled. The serving model is one vLLM instance with
-LMCache's synchronous loading, its default:
+LMCache's synchronous loading, its in-process default (``--loading sync``):
 
 - a frontend thread releases each request at its arrival time, sends the
   arrival hint the way the deployed wiring does (prompt token ids POSTed to
@@ -9,7 +9,10 @@ LMCache's synchronous loading, its default:
 - the engine loop has ``--concurrency`` slots (vLLM's ``max_num_seqs``). With
   slots free it takes requests from the queue, runs LMCache's lookup for each
   (pinning the hits, as the scheduler does), then retrieves the hits (as the
-  worker does at the start of the step, blocking it);
+  worker does at the start of the step, blocking it); with ``--loading
+  prefetch`` (``lmcache server``'s road, which serve-bench times) a request
+  with hits to load is prefetched off the loop instead, and takes a slot once
+  loaded;
 - each step computes up to ``--token-budget`` prompt tokens (chunked prefill)
   and one token for every decoding request, for the profile's modelled time,
   slept, so background I/O (writes, demotion, warm-up) overlaps it as on a
