@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from test_bench import bench_args, mooncake, run, write_trace
 
-from lmcache_tiered.bench import calibrate, serve_bench, servers
+from lmcache_tiered.bench import calibrate, scenario, serve_bench, servers
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.profiles import MeasuredProfile, get_profile
 from lmcache_tiered.bench.tiny_model import TinyLlama
-from lmcache_tiered.cli import main
+from lmcache_tiered.cli import main, parse_args
 
 LENGTHS = [512, 1024, 2048, 4096, 6144, 8192]
 #: one request at a time on a 2-vCPU Intel Xeon VM (2026-12-02): the free
@@ -183,3 +183,37 @@ def test_lmcache_servers_own_copy_timings_become_rates(tmp_path: Path) -> None:
     log.write_text("nothing timed\n")
     assert servers.lmcache_transfers(log, 1000) is None
     assert servers.lmcache_transfers(tmp_path / "missing.log", 1000) is None
+
+
+def test_calibrate_prints_the_bench_command_that_models_this_server(
+    tmp_path: Path,
+) -> None:
+    """The command --calibrate prints parses, and gives bench this server's
+    profile, slots, step budget and L1 on LMCache's multi-process road."""
+    path = calibration(tmp_path)
+    args = parse_args(
+        ["serve-bench", "--calibrate", "--json", str(path), "--limit", "6",
+         "--concurrency", "4", "--token-budget", "1024"]
+    )  # fmt: skip
+    setup = serve_bench.ServeSetup(
+        model_dir=tmp_path,
+        model=TinyLlama(),
+        warm=(tmp_path,),
+        concurrency=4,
+        token_budget=1024,
+        kv_cache_gb=1.0,
+        l1_gb=1.25,
+        warm_gb=8.0,
+        max_model_len=9000,
+        logs=tmp_path,
+    )
+    command = serve_bench.model_command(setup, args).split()
+    assert command[0] == "lmcache-tiered"
+    bench = parse_args([*command[1:], "--warm", str(tmp_path), "--kv-link", "0.17"])
+    requests = scenario.load_requests(bench)
+    assert len(requests) == 6
+    model = scenario.make_setup(bench, requests)
+    assert model.profile.gpu_kv_tokens == 32768  # vLLM's own cache, from the file
+    assert model.loading == "prefetch" and model.shape.kv_scale == 1
+    assert (model.concurrency, model.token_budget, model.hot_gb) == (4, 1024, 1.25)
+    assert model.cold_paths == () and bench.policies == "none"

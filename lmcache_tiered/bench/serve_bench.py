@@ -360,12 +360,36 @@ def _runnable(names: list[str], asked: str) -> list[str]:
     return [n for n in names if n != VLLM_OFFLOAD]
 
 
+def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
+    """The bench command that models this server on this workload: the
+    calibration (``--json``) as its profile, LMCache's multi-process road
+    (``--loading prefetch``), the same slots, step budget and L1, real bytes
+    (vLLM's own KV cache comes with the profile)."""
+    workload = f"--trace {args.trace}" if args.trace else f"--workload {args.workload}"
+    if args.limit is not None:
+        workload += f" --limit {args.limit}"
+    if args.time_scale != 1:
+        workload += f" --time-scale {args.time_scale:g}"
+    if args.seed:
+        workload += f" --seed {args.seed}"
+    return (
+        f"lmcache-tiered bench {workload} --profile {args.json} --loading prefetch "
+        f"--kv-scale 1 --concurrency {setup.concurrency} --token-budget "
+        f"{setup.token_budget} --hot-gb {setup.l1_gb:g} --cold none --policies none"
+    )
+
+
 def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:
     """vLLM alone, one request at a time: its rates, printed (and JSON)."""
     with serving(NO_EXTERNAL_CACHE, setup) as (url, _):
         rates = calibrate.measure(url, str(setup.model_dir), batch=setup.concurrency)
     print(calibrate.describe(rates))
     if args.json:
+        print(
+            f"the model of this server: {model_command(setup, args)} --warm DIRS "
+            "--kv-link GBPS (the rate serve-bench prints for lmcache server's "
+            "copies into vLLM; about 0.17 on vLLM-CPU)"
+        )
         write_json(
             args.json,
             {
