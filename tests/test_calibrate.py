@@ -5,6 +5,7 @@ bench's serving model charging it."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +208,7 @@ def test_calibrate_prints_the_bench_command_that_models_this_server(
         max_model_len=9000,
         logs=tmp_path,
     )
-    command = serve_bench.model_command(setup, args).split()
+    command = shlex.split(serve_bench.model_command(setup, args))
     assert command[0] == "lmcache-tiered"
     bench = parse_args([*command[1:], "--warm", str(tmp_path), "--kv-link", "0.17"])
     requests = scenario.load_requests(bench)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -365,17 +366,19 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
     calibration (``--json``) as its profile, LMCache's multi-process road
     (``--loading prefetch``), the same slots, step budget and L1, real bytes
     (vLLM's own KV cache comes with the profile)."""
-    workload = f"--trace {args.trace}" if args.trace else f"--workload {args.workload}"
+    workload = ["--trace", args.trace] if args.trace else ["--workload", args.workload]
     if args.limit is not None:
-        workload += f" --limit {args.limit}"
+        workload += ["--limit", str(args.limit)]
     if args.time_scale != 1:
-        workload += f" --time-scale {args.time_scale:g}"
+        workload += ["--time-scale", f"{args.time_scale:g}"]
     if args.seed:
-        workload += f" --seed {args.seed}"
-    return (
-        f"lmcache-tiered bench {workload} --profile {args.json} --loading prefetch "
-        f"--kv-scale 1 --concurrency {setup.concurrency} --token-budget "
-        f"{setup.token_budget} --hot-gb {setup.l1_gb:g} --cold none --policies none"
+        workload += ["--seed", str(args.seed)]
+    return shlex.join(
+        ["lmcache-tiered", "bench", *workload, "--profile", args.json]
+        + ["--loading", "prefetch", "--kv-scale", "1"]
+        + ["--concurrency", str(setup.concurrency)]
+        + ["--token-budget", str(setup.token_budget), "--hot-gb", f"{setup.l1_gb:g}"]
+        + ["--cold", "none", "--policies", "none"]
     )
 
 

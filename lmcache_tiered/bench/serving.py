@@ -57,7 +57,16 @@ def send_arrival_hint(hints: HintForwarder | None, tokens: torch.Tensor) -> None
         hints.submit(tokens.tolist())
 
 
-class GpuCopies:
+@dataclass(slots=True)
+class CopyTime:
+    """Seconds of GPU copies: as this machine took them, and as the modelled
+    link would take their production bytes."""
+
+    measured_s: float = 0.0
+    modelled_s: float = 0.0
+
+
+class GpuCopies(CopyTime):
     """Times the CPU connector's copies (the stand-in for GPU uploads and
     downloads) and what the KV link (the profile's PCIe, or ``--kv-link``)
     would take for the production bytes of them, so the GPU clock charges
@@ -66,8 +75,7 @@ class GpuCopies:
     def __init__(self, engine: LMCacheEngine, setup: Setup) -> None:
         self.bytes_per_token = setup.profile.kv_bytes_per_token
         self.link_bytes_per_s = setup.kv_link_bytes_per_s
-        self.measured_s = 0.0
-        self.modelled_s = 0.0
+        super().__init__()  # the engine loop's copies
         #: this thread's tally of copies made off the engine loop, if any
         self._off_loop = threading.local()
         connector = engine.gpu_connector
@@ -75,11 +83,11 @@ class GpuCopies:
         connector.after_copy = self._copied
 
     @contextlib.contextmanager
-    def off_loop(self) -> Iterator[list[float]]:
+    def off_loop(self) -> Iterator[CopyTime]:
         """Copies this thread makes inside are not the engine loop's (a
-        prefetch, or the multi-process server's copies): tallied, [measured,
-        modelled] seconds, in what this yields instead of the loop's totals."""
-        tally = [0.0, 0.0]
+        prefetch, or the multi-process server's copies): counted in what this
+        yields instead of the loop's totals."""
+        tally = CopyTime()
         self._off_loop.tally = tally
         try:
             yield tally
@@ -87,14 +95,9 @@ class GpuCopies:
             self._off_loop.tally = None
 
     def _copied(self, seconds: float, tokens: int) -> None:
-        modelled = tokens * self.bytes_per_token / self.link_bytes_per_s
-        tally = getattr(self._off_loop, "tally", None)
-        if tally is not None:
-            tally[0] += seconds
-            tally[1] += modelled
-            return
-        self.measured_s += seconds
-        self.modelled_s += modelled
+        tally: CopyTime = getattr(self._off_loop, "tally", None) or self
+        tally.measured_s += seconds
+        tally.modelled_s += tokens * self.bytes_per_token / self.link_bytes_per_s
 
 
 @dataclass(slots=True)
@@ -237,7 +240,7 @@ class Replay:
         copies = self.copies
         measured = 0.0 if copies is None else copies.measured_s
         modelled = 0.0 if copies is None else copies.modelled_s
-        off_loop = [0.0, 0.0]
+        off_loop = CopyTime()
         try:
             if copies is not None and self.prefetching is not None:
                 with copies.off_loop() as off_loop:
@@ -245,7 +248,7 @@ class Replay:
             else:
                 yield
         finally:
-            elapsed = self.now() - began - off_loop[0]
+            elapsed = self.now() - began - off_loop.measured_s
             if copies is not None:
                 elapsed += copies.modelled_s - modelled - (copies.measured_s - measured)
             self.gpu += elapsed
@@ -271,11 +274,15 @@ class Replay:
                 with self.cond:
                     self.waiting.append(_Live(index, arrival=release))
                     self.cond.notify_all()
-        except BaseException as exc:  # surfaced by run()
-            self.failure = exc
-            with self.cond:
-                self.finished = len(self.requests)
-                self.cond.notify_all()
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A helper thread failed: the loop stops, and run() raises it."""
+        self.failure = exc
+        with self.cond:
+            self.finished = len(self.requests)
+            self.cond.notify_all()
 
     def _release_due(self) -> None:
         """Virtual time: queue the requests that arrived by the GPU clock."""
@@ -317,9 +324,7 @@ class Replay:
         # may lag the wall clock a little)
         self.gpu = max(self.gpu, *(live.arrival for live in admitted))
         for live in admitted:
-            live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
-                self.requests[live.index]
-            )
+            self._take_gpu_share(live)
         with self._real_work():
             for live in admitted:
                 live.scheduled = self.gpu
@@ -347,9 +352,7 @@ class Replay:
                     break
                 live = self.waiting.popleft()
             self.gpu = max(self.gpu, live.arrival)
-            live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
-                self.requests[live.index]
-            )
+            self._take_gpu_share(live)
             with self._real_work():
                 live.scheduled = self.gpu
                 live.hits = self._lookup(live)
@@ -373,17 +376,19 @@ class Replay:
             assert self.copies is not None
             with self.copies.off_loop() as copied:
                 self._retrieve(live)
-            measured, modelled = copied
-            time.sleep(max(0.0, modelled - measured))
-        except BaseException as exc:  # surfaced by run()
-            self.failure = exc
-            with self.cond:
-                self.finished = len(self.requests)
-                self.cond.notify_all()
+            time.sleep(max(0.0, copied.modelled_s - copied.measured_s))
+        except BaseException as exc:
+            self._fail(exc)
             return
         with self.cond:
             self.ready.append(live)
             self.cond.notify_all()
+
+    def _take_gpu_share(self, live: _Live) -> None:
+        """The prompt tokens vLLM's GPU prefix cache holds count as computed."""
+        live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
+            self.requests[live.index]
+        )
 
     def _hit_tokens(self, live: _Live) -> int:
         """Prompt tokens of the hit prefix LMCache's lookup found."""
