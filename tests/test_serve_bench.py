@@ -283,3 +283,80 @@ def test_a_server_that_exits_at_start_is_named_with_its_last_error(
     ):
         pass
     assert "last error: RuntimeError: no such model" in str(caught.value)
+
+
+def test_restart_fill_serves_each_distinct_prompt_once_one_after_the_other(
+    stub: StreamingStub,
+) -> None:
+    """--restart's untimed pass: a prompt seen twice is sent once, and a
+    prompt goes out only when the one before it has finished."""
+    requests = [
+        Request(0.0, 1024, 8, (1, 2)),
+        Request(0.0, 1300, 8, (1, 2, 3)),
+        Request(5.0, 1024, 4, (1, 2)),  # the first prompt again
+        Request(0.0, 600, 8, (9, 10), after=0, think_s=2.0),
+    ]
+    fill = serve_bench.fill_requests(requests)
+    assert [(r.input_length, r.hash_ids) for r in fill] == [
+        (1024, (1, 2)),
+        (1300, (1, 2, 3)),
+        (600, (9, 10)),
+    ]
+    assert all(r.output_length == 1 and r.arrival_s == 0.0 for r in fill)
+    served = http_replay.replay(stub.url, "m", fill, TokenBlocks())
+    assert stub.seen == [1024, 1300, 600]
+    for before, after in zip(served, served[1:], strict=False):
+        assert after.sent >= before.finished
+    assert [s.output_tokens for s in served] == [1, 1, 1]
+
+
+def _status(pending: int, in_flight: int, writing: int) -> dict[str, Any]:
+    """The part of lmcache server's status (0.5.6) that serve-bench reads."""
+    return {
+        "storage_manager": {
+            "store_controllers": {
+                "_default": {
+                    "pending_keys_count": pending,
+                    "in_flight_task_count": in_flight,
+                }
+            },
+            "l1_managers": {"_default": {"write_locked_count": writing}},
+        }
+    }
+
+
+def test_restart_waits_until_lmcache_server_has_nothing_left_to_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = [_status(4, 1, 0), _status(0, 1, 0), _status(0, 0, 1)]
+    answers += [_status(0, 0, 0), _status(0, 0, 0), _status(2, 0, 0)]
+    answers += [_status(0, 0, 0)] * serve_bench.STORES_QUIET_POLLS
+    polled: list[int] = []
+
+    def status(url: str) -> dict[str, Any]:
+        polled.append(1)
+        return answers[len(polled) - 1]
+
+    monkeypatch.setattr(servers, "get_json", status)
+    serve_bench.wait_for_stores("http://status", poll_s=0.0)
+    # two quiet polls were not enough: a store came after them
+    assert len(polled) == len(answers)
+
+
+def test_restart_fails_clearly_when_the_stores_do_not_drain_or_the_status_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(servers, "get_json", lambda url: _status(1, 0, 0))
+    with pytest.raises(servers.ServerError, match="still had KV to write to L2"):
+        serve_bench.wait_for_stores("http://status", timeout_s=0.05, poll_s=0.01)
+    monkeypatch.setattr(servers, "get_json", lambda url: {"storage_manager": {}})
+    with pytest.raises(servers.ServerError, match="store_controllers"):
+        serve_bench.wait_for_stores("http://status", poll_s=0.0)
+
+
+def test_restart_fills_only_the_variants_whose_l2_outlives_their_servers() -> None:
+    assert serve_bench.restarts("lmcache_stock") and serve_bench.restarts(
+        "tiered_none#2"
+    )
+    assert not serve_bench.restarts("no_external_cache")
+    assert not serve_bench.restarts("vllm_offload")

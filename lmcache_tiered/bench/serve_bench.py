@@ -5,7 +5,10 @@ Where ``bench`` models the GPU, this starts real ones: vLLM's OpenAI server
 (:mod:`lmcache_tiered.bench.tiny_model`), ``lmcache server`` for the
 variants that use it, and replays the workload over HTTP with streaming
 (:mod:`lmcache_tiered.bench.http_replay`). Each variant gets fresh servers
-and fresh directories, removed when it is done.
+and fresh directories, removed when it is done. With ``--restart`` a variant
+of ``lmcache server`` first serves every distinct prompt once, untimed, then
+its servers restart over the same directories: the timed replay starts with
+the prompts' KV on the drives and nothing in memory.
 
 May touch: the servers it starts, a temporary directory (model, logs) and
 one subdirectory per variant in each ``--warm`` directory.
@@ -50,6 +53,12 @@ from lmcache_tiered.cli.serve_bench import (
 
 #: vLLM 0.32's OffloadingConnector on a CPU platform (its worker's words)
 OFFLOAD_ON_CPU = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+#: --restart: how long the untimed pass waits for lmcache server to write what
+#: it holds to L2 before it calls the fill failed (seconds; 4 GiB at 40 MB/s
+#: takes about 110)
+STORES_DRAIN_TIMEOUT_S = 900.0
+#: ... and how many polls a second apart must find nothing left to store
+STORES_QUIET_POLLS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +177,15 @@ def variant_dirs(name: str, warm: Sequence[Path]) -> Iterator[list[Path]]:
 
 
 @contextmanager
-def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
-    """The servers of variant ``name``: vLLM's URL and, where it has one, the
-    URL of ``lmcache server``'s status."""
+def serving(
+    name: str, setup: ServeSetup, dirs: Sequence[Path], label: str | None = None
+) -> Iterator[tuple[str, str | None]]:
+    """The servers of variant ``name`` over its directories ``dirs``: vLLM's
+    URL and, where it has one, the URL of ``lmcache server``'s status. Their
+    logs are named by ``label`` (default: the variant's name)."""
     variant = kind(name)
+    label = label or name
     with ExitStack() as stack:
-        dirs = stack.enter_context(variant_dirs(name, setup.warm))
         status_url = None
         kv_transfer = None
         if variant == VLLM_OFFLOAD:
@@ -187,10 +199,10 @@ def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
             )
             stack.enter_context(
                 servers.running(
-                    f"lmcache server ({name})",
+                    f"lmcache server ({label})",
                     command,
                     status_url,
-                    lmcache_log(setup, name),
+                    lmcache_log(setup, label),
                     servers.LMCACHE_SERVER_ENV,
                 )
             )
@@ -209,10 +221,10 @@ def serving(name: str, setup: ServeSetup) -> Iterator[tuple[str, str | None]]:
         )
         stack.enter_context(
             servers.running(
-                f"vLLM ({name})",
+                f"vLLM ({label})",
                 command,
                 f"{url}/health",
-                setup.logs / f"{name}-vllm.log",
+                setup.logs / f"{label}-vllm.log",
                 servers.vllm_env(setup.kv_cache_gb),
             )
         )
@@ -233,16 +245,43 @@ def _lmcache_status(url: str | None) -> Any:
         return {"error": str(exc)}
 
 
+def restarts(name: str) -> bool:
+    """Whether ``--restart`` fills variant ``name``'s drives first: the
+    variants of ``lmcache server``, whose L2 outlives it (vLLM alone keeps
+    nothing over a restart; vLLM's own offloading does not run on a CPU)."""
+    return kind(name) not in (NO_EXTERNAL_CACHE, VLLM_OFFLOAD)
+
+
 def run_variant(
     name: str,
     setup: ServeSetup,
     requests: Sequence[trace.Request],
     progress: Progress,
+    restart: bool = False,
 ) -> dict[str, Any]:
-    """One variant on fresh servers: its summary, records and server status."""
+    """One variant on fresh servers and fresh directories (filled first and
+    the servers restarted, with ``restart``): its summary, records and
+    server status."""
+    with variant_dirs(name, setup.warm) as dirs:
+        fill = None
+        if restart and restarts(name):
+            fill = _fill(name, setup, dirs, requests, progress)
+        return {
+            **_timed_run(name, setup, dirs, requests, progress),
+            "fill": fill,
+        }
+
+
+def _timed_run(
+    name: str,
+    setup: ServeSetup,
+    dirs: Sequence[Path],
+    requests: Sequence[trace.Request],
+    progress: Progress,
+) -> dict[str, Any]:
     task = progress.add_task(f"{name}: starting servers", total=len(requests))
     began = time.monotonic()
-    with serving(name, setup) as (url, status_url):
+    with serving(name, setup, dirs) as (url, status_url):
         started = time.monotonic() - began
         model = str(setup.model_dir)
         # one request outside the trace first: vLLM's first step is slower
@@ -278,6 +317,95 @@ def run_variant(
 
 def _warmup_request() -> trace.Request:
     return trace.Request(0.0, 2 * CHUNK_TOKENS, 4, (0,))
+
+
+def fill_requests(requests: Sequence[trace.Request]) -> list[trace.Request]:
+    """``--restart``'s untimed pass: each distinct prompt of ``requests`` once,
+    one after the other (a request at a time leaves LMCache's L1 room for
+    what it still has to write to a slow drive), one output token each."""
+    seen: set[tuple[tuple[int, ...], int]] = set()
+    out: list[trace.Request] = []
+    for r in requests:
+        if (r.hash_ids, r.input_length) in seen:
+            continue
+        seen.add((r.hash_ids, r.input_length))
+        after = len(out) - 1 if out else None
+        out.append(trace.Request(0.0, r.input_length, 1, r.hash_ids, after=after))
+    return out
+
+
+def _fill(
+    name: str,
+    setup: ServeSetup,
+    dirs: Sequence[Path],
+    requests: Sequence[trace.Request],
+    progress: Progress,
+) -> dict[str, Any]:
+    """Serve every distinct prompt once and wait until ``lmcache server`` has
+    written what it holds to L2; its servers then stop (the variant's timed
+    run restarts them). What the drives hold afterwards, and how long it
+    took."""
+    prompts = fill_requests(requests)
+    task = progress.add_task(f"{name}: filling the drives", total=len(prompts))
+    began = time.monotonic()
+    with serving(name, setup, dirs, label=f"{name}-fill") as (url, status_url):
+        assert status_url is not None  # restarts() holds only lmcache server
+        http_replay.replay(
+            url,
+            str(setup.model_dir),
+            prompts,
+            trace.TokenBlocks(),
+            on_done=lambda: progress.advance(task),
+            request_id="fill-{}",
+        )
+        progress.update(task, description=f"{name}: waiting for L2 stores")
+        wait_for_stores(status_url)
+    progress.update(task, description=f"{name}: drives filled")
+    return {
+        "prompts": len(prompts),
+        "seconds": time.monotonic() - began,
+        "drive_bytes": sum(
+            f.stat().st_size for d in dirs for f in d.rglob("*") if f.is_file()
+        ),
+    }
+
+
+def wait_for_stores(
+    status_url: str,
+    timeout_s: float = STORES_DRAIN_TIMEOUT_S,
+    poll_s: float = 1.0,
+) -> None:
+    """Return once ``lmcache server``'s status shows nothing queued or in
+    flight for L2 and no L1 object being written, :data:`STORES_QUIET_POLLS`
+    polls in a row (vLLM hands a finished request's KV over a moment after
+    its response); :class:`servers.ServerError` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < STORES_QUIET_POLLS:
+        if time.monotonic() > deadline:
+            raise servers.ServerError(
+                f"lmcache server ({status_url}) still had KV to write to L2 "
+                f"after {timeout_s:.0f} s: the drives are too slow for the fill"
+            )
+        quiet = quiet + 1 if stores_left(servers.get_json(status_url)) == 0 else 0
+        time.sleep(poll_s)
+
+
+def stores_left(status: Any) -> int:
+    """L2 stores queued or in flight, and L1 objects being written, by
+    ``lmcache server``'s status (0.5.6 and 0.5.7)."""
+    try:
+        manager = status["storage_manager"]
+        controllers = manager["store_controllers"].values()
+        l1 = manager["l1_managers"].values()
+        return sum(
+            c["pending_keys_count"] + c["in_flight_task_count"] for c in controllers
+        ) + sum(m["write_locked_count"] for m in l1)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise servers.ServerError(
+            f"lmcache server's status has no {exc} where serve-bench looks for its "
+            "L2 stores: this LMCache version is not one serve-bench knows"
+        ) from exc
 
 
 def check_environment() -> None:
@@ -341,7 +469,9 @@ def run_command(args: argparse.Namespace) -> int:
         with Progress(transient=False) as progress:
             for name in names:
                 try:
-                    summaries[name] = run_variant(name, setup, requests, progress)
+                    summaries[name] = run_variant(
+                        name, setup, requests, progress, args.restart
+                    )
                 except (servers.ServerError, http_replay.ReplayError) as exc:
                     progress.console.print(f"{name}: failed: {exc}")
         report(summaries, setup, requests, args)
@@ -384,7 +514,10 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
 
 def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:
     """vLLM alone, one request at a time: its rates, printed (and JSON)."""
-    with serving(NO_EXTERNAL_CACHE, setup) as (url, _):
+    with (
+        variant_dirs(NO_EXTERNAL_CACHE, setup.warm) as dirs,
+        serving(NO_EXTERNAL_CACHE, setup, dirs) as (url, _),
+    ):
         rates = calibrate.measure(url, str(setup.model_dir), batch=setup.concurrency)
     print(calibrate.describe(rates))
     if args.json:

@@ -168,6 +168,15 @@ def describe(
             f"LMCache L1 {setup.l1_gb:g} GiB; drives: "
             + ", ".join(str(w) for w in setup.warm),
         ]
+        + (
+            [
+                "--restart: each lmcache server variant serves every distinct "
+                "prompt once, untimed, then restarts over its drives; vLLM alone "
+                "starts empty"
+            ]
+            if args.restart
+            else []
+        )
     )
 
 
@@ -196,6 +205,12 @@ def report(
             )
         )
     for name, s in summaries.items():
+        if fill := s.get("fill"):
+            print(
+                f"{name}: before its restart, served {fill['prompts']} prompts "
+                f"untimed and wrote them to L2 in {fill['seconds']:.0f} s; its "
+                f"drives then held {fill['drive_bytes'] / 2**30:.2f} GiB"
+            )
         if not s["valid"]:
             print(
                 f"{name}: not valid: the client sent a request {s['lag_max_s']:.2f}s "
@@ -229,6 +244,7 @@ def report(
                 "kv_cache_gb": setup.kv_cache_gb,
                 "l1_gb": setup.l1_gb,
                 "warm_gb": setup.warm_gb,
+                "restart": args.restart,
             },
             "variants": summaries,
             "loaded_from_l2": from_disk,

@@ -191,6 +191,25 @@ WORKLOADS: dict[str, WorkloadShape] = {
         think_s=0.0,
         random_requests=160,
     ),
+    "random-cpu": WorkloadShape(
+        description=(
+            "random access sized for a CPU server (serve-bench --restart): "
+            "100 requests, each one of 48 documents of 2k-2.5k tokens drawn "
+            "uniformly plus its own question; 3.1 GiB of distinct KV at "
+            "serve-bench's 32 KiB a token: three times vLLM's own cache and "
+            "LMCache's L1 at serve-bench's defaults, within one 5 GB drive"
+        ),
+        sessions=48,
+        rate_per_s=0.5,
+        system_prompts=0,
+        system_prompt_blocks=0,
+        turns=(1, 1),
+        first_user_tokens=(1600, 2500),
+        user_tokens=(50, 200),
+        output_tokens=(16, 32),
+        think_s=0.0,
+        random_requests=100,
+    ),
     "long": WorkloadShape(
         description=(
             "long-context coding sessions (the seed-r2 preset): first messages of "

@@ -94,6 +94,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="capacity of the disk tiers, all drives together (default: 8)",
     )
     run.add_argument(
+        "--restart",
+        action="store_true",
+        help="start each lmcache server variant with full drives: serve every "
+        "distinct prompt once, untimed, wait until LMCache has written it all "
+        "to L2, then restart its servers over the same drives; the timed "
+        "replay begins with nothing in memory, as after a restart or on a new "
+        "instance over those drives (vLLM alone keeps nothing over a restart "
+        "and runs as without it); with --workload random-cpu most requests "
+        "then wait on the drives",
+    )
+    run.add_argument(
         "--calibrate",
         action="store_true",
         help="instead of the variants: measure vLLM's prefill and decode rates "

@@ -67,3 +67,40 @@ def test_serve_bench_times_real_servers_and_cleans_up(tmp_path: Path) -> None:
     assert len(adapter["tiers"]["warm"]["paths"]) == 2  # striped over both
     assert picture.stat().st_size > 0
     assert all(list(d.iterdir()) == [] for d in warm)  # each variant cleaned up
+
+
+def test_serve_bench_restart_serves_the_timed_run_from_the_drives(
+    tmp_path: Path,
+) -> None:
+    """--restart: the fill pass writes every prompt to the drives, the
+    servers restart, and the timed run's first request, on a vLLM and an L1
+    that hold nothing, gets its prefix from L2."""
+    requests = [
+        {"timestamp": ms, "input_length": n, "output_length": 3, "hash_ids": ids}
+        for ms, n, ids in ((0, 1024, [1, 2]), (500, 600, [9, 10]))
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    warm = [tmp_path / "d0", tmp_path / "d1"]
+    for d in warm:
+        d.mkdir()
+    out = tmp_path / "r.json"
+    command = [
+        sys.executable, "-m", "lmcache_tiered.cli", "serve-bench",
+        "--trace", str(trace), "--variants", "tiered", "--restart",
+        "--warm", ",".join(map(str, warm)), "--json", str(out), "--plot", "none",
+    ]  # fmt: skip
+    started = time.monotonic()
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    PHASE_TIMES.append(("serve-bench --restart", time.monotonic() - started))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "before its restart, served 2 prompts" in run.stdout
+    variant = json.loads(out.read_text())["variants"]["tiered_none"]
+    # two chunks of 256 tokens, and another two, of 32 KiB a token
+    assert variant["fill"]["prompts"] == 2
+    assert variant["fill"]["drive_bytes"] >= 8 * 256 * 32768
+    first, second = variant["records"]
+    # all of the first prompt but its last token (vLLM computes that one)
+    assert first["cached_tokens"] == 1023 and second["cached_tokens"] >= 512
+    assert variant["lmcache_transfers"]["requests_from_l2"] == [0, 1]
+    assert all(list(d.iterdir()) == [] for d in warm)
