@@ -247,8 +247,10 @@ def _lmcache_status(url: str | None) -> Any:
 
 def restarts(name: str) -> bool:
     """Whether ``--restart`` fills variant ``name``'s drives first: the
-    variants of ``lmcache server``, whose L2 outlives it (vLLM alone keeps
-    nothing over a restart; vLLM's own offloading does not run on a CPU)."""
+    variants of ``lmcache server``, whose L2 outlives it. vLLM alone keeps
+    nothing over a restart; vLLM's own offloading starts empty too (whether
+    its file tier serves a restarted vLLM is not checked: a CPU cannot run
+    it)."""
     return kind(name) not in (NO_EXTERNAL_CACHE, VLLM_OFFLOAD)
 
 

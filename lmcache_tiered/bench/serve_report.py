@@ -172,7 +172,7 @@ def describe(
             [
                 "--restart: each lmcache server variant serves every distinct "
                 "prompt once, untimed, then restarts over its drives; vLLM alone "
-                "starts empty"
+                "and vllm_offload start empty"
             ]
             if args.restart
             else []

@@ -100,9 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "distinct prompt once, untimed, wait until LMCache has written it all "
         "to L2, then restart its servers over the same drives; the timed "
         "replay begins with nothing in memory, as after a restart or on a new "
-        "instance over those drives (vLLM alone keeps nothing over a restart "
-        "and runs as without it); with --workload random-cpu most requests "
-        "then wait on the drives",
+        "instance over those drives (vLLM alone and vllm_offload start empty, "
+        "as without it); with --workload random-cpu most requests then wait "
+        "on the drives",
     )
     run.add_argument(
         "--calibrate",
