@@ -218,3 +218,35 @@ def test_calibrate_prints_the_bench_command_that_models_this_server(
     assert model.loading == "prefetch" and model.shape.kv_scale == 1
     assert (model.concurrency, model.token_budget, model.hot_gb) == (4, 1024, 1.25)
     assert model.cold_paths == () and bench.policies == "none"
+
+
+def _rates(spreads: list[float], fit_error: float) -> dict[str, Any]:
+    """What calibrate.measure returns, with these repeat spreads per length."""
+    return {
+        "rows": [
+            {"prompt_tokens": n, "ttft_s": t, "ttft_spread": s, "decode_step_s": 0.03}
+            for n, t, s in zip(LENGTHS, INTEL_TTFT, spreads, strict=True)
+        ],
+        "fixed_s": 0.0,
+        "per_token_s": 3.6e-4,
+        "per_pair_s": 1.4e-7,
+        "fit_worst_error": fit_error,
+        "decode_step_s": 0.025,
+        "decode_per_context_token_s": 3e-6,
+        "decode_batch": 8,
+        "decode_batch_step_s": 0.036,
+        "decode_per_sequence_s": 5e-4,
+    }
+
+
+def test_a_calibration_says_when_it_is_too_unsteady_for_the_model_check() -> None:
+    """Repeats that disagree, or a fit that misses a length, by more than
+    the model check's 15 %: the calibration says so and why."""
+    steady = calibrate.describe(_rates([0.02, 0.05, 0.1, 0.03, 0.04, 0.02], 0.08))
+    assert "NOT steady" not in steady and "10.0 %" in steady
+    noisy = calibrate.describe(_rates([0.02, 0.4, 0.1, 0.03, 0.04, 0.02], 0.08))
+    assert "NOT steady: the 3 TTFTs at 1,024 tokens differ by 40 %" in noisy
+    assert "fit misses" not in noisy
+    misfit = calibrate.describe(_rates([0.02] * 6, 0.257))
+    assert "NOT steady: the fit misses a length by 26 %" in misfit
+    assert "calibrate again on an idle machine" in misfit

@@ -42,6 +42,10 @@ DECODE_TOKENS = 33
 LONGEST = max(LENGTHS) + DECODE_TOKENS
 #: prompt of each request of the batched decode measurement (tokens)
 BATCH_PROMPT_TOKENS = 256
+#: repeats that differ by more than this share of their median, or a fit that
+#: misses a length by more, make a calibration too unsteady for bench's
+#: 15 % check against a real run (a queue near saturation multiplies it)
+STEADY_WITHIN = 0.15
 
 
 class _FreshRequests:
@@ -111,10 +115,12 @@ def measure(
             (served,) = http_replay.replay(url, model, [request], blocks)
             ttfts.append(served.first_token - served.sent)
             steps.append(_step_s(served))
+        median = float(np.median(ttfts))
         rows.append(
             {
                 "prompt_tokens": tokens,
-                "ttft_s": float(np.median(ttfts)),
+                "ttft_s": median,
+                "ttft_spread": (max(ttfts) - min(ttfts)) / median,
                 "decode_step_s": float(np.median(steps)),
             }
         )
@@ -147,12 +153,35 @@ def measure(
     }
 
 
+def unsteady(rates: dict[str, Any]) -> str | None:
+    """Why bench should not trust these rates to :data:`STEADY_WITHIN`, or
+    None: repeats that disagree, or a fit that misses a length."""
+    row = max(rates["rows"], key=lambda r: r["ttft_spread"])
+    why = []
+    if row["ttft_spread"] > STEADY_WITHIN:
+        why.append(
+            f"the {REPEATS} TTFTs at {row['prompt_tokens']:,} tokens differ by "
+            f"{100 * row['ttft_spread']:.0f} % of their median"
+        )
+    if rates["fit_worst_error"] > STEADY_WITHIN:
+        why.append(f"the fit misses a length by {100 * rates['fit_worst_error']:.0f} %")
+    if not why:
+        return None
+    return (
+        "NOT steady: "
+        + " and ".join(why)
+        + f" (more than {100 * STEADY_WITHIN:.0f} %): a bench run on this profile "
+        "is off by at least as much, several times more where a queue builds; "
+        "calibrate again on an idle machine, right before the run you model"
+    )
+
+
 def describe(rates: dict[str, Any]) -> str:
-    lines = ["prompt tokens   TTFT   decode step"]
+    lines = ["prompt tokens   TTFT   spread   decode step"]
     for row in rates["rows"]:
         lines.append(
             f"{row['prompt_tokens']:>13,}  {row['ttft_s']:.3f}s  "
-            f"{1000 * row['decode_step_s']:.1f} ms"
+            f"{100 * row['ttft_spread']:>5.1f} %  {1000 * row['decode_step_s']:.1f} ms"
         )
     lines.append(
         f"fit: ttft = {rates['fixed_s']:.3f} s"
@@ -167,4 +196,6 @@ def describe(rates: dict[str, Any]) -> str:
         f"({1000 * rates['decode_batch_step_s']:.1f} ms measured with "
         f"{rates['decode_batch']} decoding)"
     )
+    if warning := unsteady(rates):
+        lines.append(warning)
     return "\n".join(lines)
