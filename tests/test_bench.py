@@ -828,10 +828,11 @@ def test_several_concurrencies_run_each_and_print_the_seeds_table(
     sections = printed.split("\nconcurrency ")[1:]
     assert [section.split(":")[0] for section in sections] == ["1", "2"]
     for level, section in zip((1, 2), sections, strict=True):
-        # the targets line, or, where this machine's load made the policy's
-        # run lag (it did in CI, at 6 % of its TTFT p50), the note saying so
+        # the targets line, or, where this machine made the policy's run not
+        # valid, the note saying why (its load made the replay lag 6 % of its
+        # TTFT p50 in CI; the VM's disk ran slower than the modelled drive here)
         targets = f"{NO_EXTERNAL_CACHE}, concurrency {level}): TTFT p50" in section
-        assert targets or "none: not valid, not compared: the replay fell" in section
+        assert targets or "none: not valid, not compared: " in section
     [head] = [i for i, line in enumerate(lines) if line.startswith("seed's table:")]
     assert lines.index("concurrency 2:") < head
     assert "median (lowest..highest) of 2 runs" in lines[head]
