@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from lmcache_tiered.bench import http_replay, serve_bench, serve_report, servers
+from lmcache_tiered.bench import (
+    calibrate,
+    http_replay,
+    serve_bench,
+    serve_report,
+    servers,
+)
 from lmcache_tiered.bench.trace import Request, TokenBlocks
 from lmcache_tiered.cli import main
 
@@ -360,3 +366,15 @@ def test_restart_fills_only_the_variants_whose_l2_outlives_their_servers() -> No
     )
     assert not serve_bench.restarts("no_external_cache")
     assert not serve_bench.restarts("vllm_offload")
+
+
+def test_calibration_measures_every_length_once_a_round(stub: StreamingStub) -> None:
+    """A slow minute falls on every length alike: the lengths take turns,
+    round after round, then the batched decode."""
+    rates = calibrate.measure(stub.url, "m", batch=2, lengths=(512, 1024))
+    rounds = [512, 1024] * calibrate.REPEATS
+    assert stub.seen == rounds + [calibrate.BATCH_PROMPT_TOKENS] * 2
+    assert [row["prompt_tokens"] for row in rates["rows"]] == [512, 1024]
+    # the stub answers every prompt after the same delay
+    assert all(0.2 <= row["ttft_s"] < 0.5 for row in rates["rows"])
+    assert all(0 <= row["ttft_spread"] < 1 for row in rates["rows"])

@@ -549,3 +549,31 @@ def test_benefit_guard_holds_back_a_policy_whose_promotions_go_unused(
         assert stats.held_back == UNIT_KEYS * (2 * GUARD_PROBE_EVERY - 2)
     else:
         assert ran == 2 * GUARD_PROBE_EVERY and stats.held_back == 0
+
+
+def test_a_victim_whose_copy_to_cold_fails_stays_in_warm(
+    engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
+) -> None:
+    """Write-back: a warm victim is evicted only once cold holds it. Cold
+    refusing writes (a read-only tier here, as a shared tier of another
+    host is), the stored chunks stay and the new ones are refused."""
+    engine, connector, cache = two_chunks_warm_over_cold(
+        engine_factory, device_dirs, cold_dir
+    )
+    first, first_kv = store_chunks(engine, connector, 2, seed=1)
+    cold = cache.tiers["cold"]
+    cold.read_only = True
+    second, _ = store_chunks(engine, connector, 2, seed=11)
+    first_keys = testing.chunk_keys(engine, first)
+    assert [cache.tier_of(k) for k in first_keys] == ["warm", "warm"]
+    assert [cache.tier_of(k) for k in testing.chunk_keys(engine, second)] == [
+        None,
+        None,
+    ]
+    testing.clear_cpu_tier(engine)
+    out, mask = testing.retrieve_tokens(engine, first, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
+    # cold writable again: the next store demotes them as before
+    cold.read_only = False
+    store_chunks(engine, connector, 2, seed=21)
+    assert [cache.tier_of(k) for k in first_keys] == ["cold", "cold"]

@@ -107,14 +107,19 @@ def measure(
     more would queue, not batch)."""
     blocks = TokenBlocks(seed=3)
     fresh = _FreshRequests()
-    rows = []
-    for tokens in lengths:
-        ttfts, steps = [], []
-        for _ in range(REPEATS):
+    ttft_of: dict[int, list[float]] = {tokens: [] for tokens in lengths}
+    step_of: dict[int, list[float]] = {tokens: [] for tokens in lengths}
+    # every length once a round: a slow minute of the machine falls on all
+    # lengths alike instead of bending the fit at one of them
+    for _ in range(REPEATS):
+        for tokens in lengths:
             request = fresh.make(tokens, DECODE_TOKENS)
             (served,) = http_replay.replay(url, model, [request], blocks)
-            ttfts.append(served.first_token - served.sent)
-            steps.append(_step_s(served))
+            ttft_of[tokens].append(served.first_token - served.sent)
+            step_of[tokens].append(_step_s(served))
+    rows = []
+    for tokens in lengths:
+        ttfts, steps = ttft_of[tokens], step_of[tokens]
         median = float(np.median(ttfts))
         rows.append(
             {

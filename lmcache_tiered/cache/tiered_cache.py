@@ -437,12 +437,11 @@ class TieredCache:
         cold = self.tiers.get("cold")
         through = self.settings.cold_write_through
         with self.stores_held():
-            victims = None
+            evictable = None
             if cold is not None and not through:
-                victims = self.warm.victims(len(payloads))
-                self._demote(victims, cold)
+                evictable = self._demote(self.warm.victims(len(payloads)), cold)
             # a victim read (touched) meanwhile is kept, never a chunk not in cold
-            stored = self.warm.write_payloads(payloads, evict_only=victims)
+            stored = self.warm.write_payloads(payloads, evict_only=evictable)
             if cold is not None:
                 # through: every chunk goes below too; back: what warm refused
                 below = [i for i, ok in enumerate(stored) if through or not ok]
@@ -453,12 +452,20 @@ class TieredCache:
         self._changed([p.key for p in payloads])
         return stored
 
-    def _demote(self, victims: list[StoreKey], cold: StorageTier) -> None:
-        """Copy warm's next victims to cold before they are overwritten."""
+    def _demote(self, victims: list[StoreKey], cold: StorageTier) -> list[StoreKey]:
+        """Copy warm's next victims to cold before they are overwritten; the
+        ones warm may evict: those cold now holds. A victim whose copy failed
+        stays in warm, and the chunk that wanted its room is refused instead:
+        a stored chunk is not dropped for a new one while cold works. A
+        degraded cold tier takes nothing until it recovers, so warm is the
+        last tier meanwhile and evicts as one."""
+        if cold.degraded is not None:
+            return victims
         missing = [k for k in victims if cold.header(k) is None]
         if missing:
             payloads = [p for p in self.warm.read_payloads(missing) if p is not None]
             cold.write_payloads(payloads)
+        return [k for k in victims if cold.header(k) is not None]
 
     # --------------------------------------------------------------- metrics
 
