@@ -249,4 +249,4 @@ def test_a_calibration_says_when_it_is_too_unsteady_for_the_model_check() -> Non
     assert "fit misses" not in noisy
     misfit = calibrate.describe(_rates([0.02] * 6, 0.257))
     assert "NOT steady: the fit misses a length by 26 %" in misfit
-    assert "calibrate again on an idle machine" in misfit
+    assert "calibrate right before the run you model" in misfit

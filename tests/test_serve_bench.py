@@ -369,11 +369,13 @@ def test_restart_fills_only_the_variants_whose_l2_outlives_their_servers() -> No
 
 
 def test_calibration_measures_every_length_once_a_round(stub: StreamingStub) -> None:
-    """A slow minute falls on every length alike: the lengths take turns,
-    round after round, then the batched decode."""
+    """After one unmeasured request (a server's first step is slower), the
+    lengths take turns, round after round, so a slow minute falls on every
+    length alike; then the batched decode."""
     rates = calibrate.measure(stub.url, "m", batch=2, lengths=(512, 1024))
     rounds = [512, 1024] * calibrate.REPEATS
-    assert stub.seen == rounds + [calibrate.BATCH_PROMPT_TOKENS] * 2
+    batch = [calibrate.BATCH_PROMPT_TOKENS] * 2
+    assert stub.seen == [calibrate.BATCH_PROMPT_TOKENS, *rounds, *batch]
     assert [row["prompt_tokens"] for row in rates["rows"]] == [512, 1024]
     # the stub answers every prompt after the same delay
     assert all(0.2 <= row["ttft_s"] < 0.5 for row in rates["rows"])

@@ -107,6 +107,8 @@ def measure(
     more would queue, not batch)."""
     blocks = TokenBlocks(seed=3)
     fresh = _FreshRequests()
+    # one request first, unmeasured: a server's first step is slower
+    http_replay.replay(url, model, [fresh.make(BATCH_PROMPT_TOKENS, 4)], blocks)
     ttft_of: dict[int, list[float]] = {tokens: [] for tokens in lengths}
     step_of: dict[int, list[float]] = {tokens: [] for tokens in lengths}
     # every length once a round: a slow minute of the machine falls on all
@@ -176,8 +178,9 @@ def unsteady(rates: dict[str, Any]) -> str | None:
         "NOT steady: "
         + " and ".join(why)
         + f" (more than {100 * STEADY_WITHIN:.0f} %): a bench run on this profile "
-        "is off by at least as much, several times more where a queue builds; "
-        "calibrate again on an idle machine, right before the run you model"
+        "is no closer to this server than that, and several times further where "
+        "a queue builds; calibrate right before the run you model, twice, and "
+        "compare"
     )
 
 
