@@ -197,6 +197,13 @@ def test_summary_table_and_line_compare_against_vllm_alone() -> None:
     assert line is not None
     assert "tiered_none TTFT p50 1.50s vs 3.00s no_external_cache (-50%)" in line
     assert "lmcache_stock 1.50s (-50%)" in line and "(not valid)" in line
+    assert "x its TTFT p50" not in line  # nothing compared with a run not valid
+    summaries["lmcache_stock"] = serve_report.summarize(
+        [served(0, 4.0), served(1, 2.0), served(2, 3.0)]
+    )
+    line = serve_report.summary_line(summaries)
+    assert line is not None
+    assert "lmcache_stock 3.00s (+0%), 5.0 tok/s; tiered_none at 0.50 x its" in line
 
 
 def test_requests_loaded_from_l2_in_any_variant_are_compared_in_every_one() -> None:

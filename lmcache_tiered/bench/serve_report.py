@@ -116,11 +116,15 @@ def summary_line(summaries: Mapping[str, Mapping[str, Any]]) -> str | None:
     for other in (LMCACHE_STOCK, VLLM_OFFLOAD):
         if other in summaries:
             o = summaries[other]
+            against = (
+                f"; {best} at {s['ttft_p50_s'] / o['ttft_p50_s']:.2f} x its TTFT p50"
+                if o["valid"]
+                else " (not valid)"
+            )
             parts.append(
                 f"{other} {o['ttft_p50_s']:.2f}s "
                 f"({delta(o['ttft_p50_s'], base['ttft_p50_s'])}), "
-                f"{o['throughput_tps']:.1f} tok/s"
-                + ("" if o["valid"] else " (not valid)")
+                f"{o['throughput_tps']:.1f} tok/s{against}"
             )
     return "; ".join(parts) + "."
 
