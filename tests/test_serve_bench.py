@@ -382,7 +382,8 @@ def test_calibration_measures_every_length_once_a_round(stub: StreamingStub) -> 
     rates = calibrate.measure(stub.url, "m", batch=2, lengths=(512, 1024))
     rounds = [512, 1024] * calibrate.REPEATS
     batch = [calibrate.BATCH_PROMPT_TOKENS] * 2
-    assert stub.seen == [calibrate.BATCH_PROMPT_TOKENS, *rounds, *batch]
+    assert stub.seen == [http_replay.WARM_UP_TOKENS, *rounds, *batch]
+    assert stub.ids[0] == "warmup-0"
     assert [row["prompt_tokens"] for row in rates["rows"]] == [512, 1024]
     # the stub answers every prompt after the same delay
     assert all(0.2 <= row["ttft_s"] < 0.5 for row in rates["rows"])

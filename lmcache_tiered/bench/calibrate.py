@@ -107,8 +107,7 @@ def measure(
     more would queue, not batch)."""
     blocks = TokenBlocks(seed=3)
     fresh = _FreshRequests()
-    # one request first, unmeasured: a server's first step is slower
-    http_replay.replay(url, model, [fresh.make(BATCH_PROMPT_TOKENS, 4)], blocks)
+    http_replay.warm_up(url, model)
     ttft_of: dict[int, list[float]] = {tokens: [] for tokens in lengths}
     step_of: dict[int, list[float]] = {tokens: [] for tokens in lengths}
     # every length once a round: a slow minute of the machine falls on all

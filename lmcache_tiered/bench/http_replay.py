@@ -28,6 +28,8 @@ REQUEST_TIMEOUT_S = 1800.0
 #: The id the replay gives the trace's request ``i`` (vLLM's ``X-Request-Id``
 #: header): its completion is ``cmpl-<id>``, and LMCache's log names it.
 TRACE_REQUEST_ID = "trace-{}"
+#: prompt tokens of :func:`warm_up`'s request
+WARM_UP_TOKENS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,18 @@ async def _complete(
     if tokens == 0:
         raise ReplayError(f"{url} streamed no token for a {len(prompt)}-token prompt")
     return first, tokens, cached
+
+
+def warm_up(url: str, model: str) -> None:
+    """One request outside any measurement, of tokens no measured request
+    shares: a server's first step is slower than the rest."""
+    replay(
+        url,
+        model,
+        [Request(0.0, WARM_UP_TOKENS, 4, (0,))],
+        TokenBlocks(seed=1),
+        request_id="warmup-{}",
+    )
 
 
 def replay(

@@ -286,14 +286,7 @@ def _timed_run(
     with serving(name, setup, dirs) as (url, status_url):
         started = time.monotonic() - began
         model = str(setup.model_dir)
-        # one request outside the trace first: vLLM's first step is slower
-        http_replay.replay(
-            url,
-            model,
-            [_warmup_request()],
-            trace.TokenBlocks(seed=1),
-            request_id="warmup-{}",
-        )
+        http_replay.warm_up(url, model)
         progress.update(task, description=name)
         served = http_replay.replay(
             url,
@@ -315,10 +308,6 @@ def _timed_run(
         "lmcache_transfers": transfers,
         "records": [asdict(s) for s in served],
     }
-
-
-def _warmup_request() -> trace.Request:
-    return trace.Request(0.0, 2 * CHUNK_TOKENS, 4, (0,))
 
 
 def fill_requests(requests: Sequence[trace.Request]) -> list[trace.Request]:
