@@ -8,6 +8,7 @@ key types reach the tiers: ``CacheEngineKey`` from the in-process plugin and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import urllib.parse
 from typing import TypeAlias
@@ -16,6 +17,10 @@ from lmcache.utils import CacheEngineKey, parse_cache_key
 from lmcache.v1.distributed.api import ObjectKey
 
 DIGEST_SIZE = 16
+#: Keys whose digests are remembered: a chunk's key is digested about a dozen
+#: times on its way through a lookup and a load (index, promoter, ledger), and
+#: its text (a quoted model name, a hash in hex) costs more than the hash.
+DIGESTS_REMEMBERED = 1 << 16
 
 #: A key the tiers store chunks under.
 StoreKey: TypeAlias = CacheEngineKey | ObjectKey
@@ -39,8 +44,14 @@ def key_text(key: StoreKey) -> str:
     return key.to_string()
 
 
+@functools.lru_cache(maxsize=DIGESTS_REMEMBERED)
 def key_digest(key: StoreKey) -> bytes:
-    """16-byte BLAKE2b digest of the key's canonical text."""
+    """16-byte BLAKE2b digest of the key's canonical text.
+
+    Remembered per key: both key types compare equal exactly when their texts
+    are equal (every field the text holds, the type included), so a remembered
+    digest is the one the text would give.
+    """
     return hashlib.blake2b(key_text(key).encode(), digest_size=DIGEST_SIZE).digest()
 
 

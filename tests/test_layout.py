@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lmcache.utils import CacheEngineKey
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
+from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_management import MemoryFormat
 
+from lmcache_tiered.keys import DIGEST_SIZE, StoreKey, key_digest, key_text
 from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     CorruptRecord,
@@ -52,6 +55,38 @@ def test_payload_checksum_per_record_version() -> None:
     old = make_header(version=1, payload_crc=0xCBF43926)
     assert RecordHeader.decode(old.encode(), 1 << 20) == old
     assert old.payload_matches(data) and not make_header().payload_matches(data)
+
+
+def _keys_one_field_apart() -> list[StoreKey]:
+    """Fresh objects each call; every key differs from the first in one field."""
+    tags = {"lmcache.tag.user": "u1"}
+    return [
+        CacheEngineKey("m", 1, 0, 5, torch.float16, None),
+        CacheEngineKey("m", 1, 0, 5, torch.float16, tags),
+        CacheEngineKey("m", 1, 0, 5, torch.bfloat16, None),
+        CacheEngineKey("m", 1, 1, 5, torch.float16, None),
+        CacheEngineKey("m2", 1, 0, 5, torch.float16, None),
+        LayerCacheEngineKey("m", 1, 0, 5, torch.float16, None, layer_id=0),
+        LayerCacheEngineKey("m", 1, 0, 5, torch.float16, None, layer_id=1),
+        ObjectKey(b"\x05" * 16, "m", 0),
+        ObjectKey(b"\x05" * 16, "m", 0, cache_salt="s"),
+        ObjectKey(b"\x05" * 16, "m", 0, object_group_id=1),
+        ObjectKey(b"\x05" * 16, "m", 1),
+        ObjectKey(b"\x05" * 16, "m/x y", 0),
+    ]
+
+
+def test_remembered_digests_are_each_keys_own() -> None:
+    """key_digest remembers digests per key: an equal key found in its memory
+    must have the same text, so no two keys one field apart share a digest,
+    and each is the digest of its own text, asked first or again."""
+    for _ in range(2):
+        digests = [key_digest(k) for k in _keys_one_field_apart()]
+        texts = [key_text(k).encode() for k in _keys_one_field_apart()]
+        assert digests == [
+            hashlib.blake2b(t, digest_size=DIGEST_SIZE).digest() for t in texts
+        ]
+        assert len(set(digests)) == len(digests)
 
 
 def test_tagged_key_round_trip() -> None:

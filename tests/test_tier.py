@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered._lmcache import MixedMemoryAllocator
+from lmcache_tiered.storage import checks
+from lmcache_tiered.storage.index import Entry
 from lmcache_tiered.storage.layout import RecordHeader
 from lmcache_tiered.storage.tier import Payload, Tier
 
@@ -329,3 +332,56 @@ def test_after_io_hears_the_bytes_each_operation_moved(
     assert tier.read_payloads([key(0), key(1)])[1] is None
     assert [n for n, _ in heard] == [chunk, 0, chunk, 0, chunk, chunk]
     assert all(visible for _, visible in heard)
+
+
+def test_a_failing_check_is_raised_once_every_read_landed(
+    tier_factory: TierFactory,
+    allocator: MixedMemoryAllocator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checks run on the verifier pool, started from the engine's completion
+    thread; one that raises (a bug, not bad data) must reach the reader, and
+    only after every other record's check ran (none still writes into the
+    caller's buffers), instead of leaving the reader waiting forever."""
+    tier = tier_factory()
+    tier.write([(key(i), make_obj(allocator, i)) for i in range(4)])
+    finish = Tier._finish_read
+    checked: list[int] = []
+
+    def failing(self: Tier, entry: Entry, *args: object) -> bool | None:
+        checked.append(entry.header.key.chunk_hash)
+        if entry.header.key == key(1):
+            raise RuntimeError("a check broke")
+        return finish(self, entry, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Tier, "_finish_read", failing)
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            tier.read([key(i) for i in range(4)], reader(allocator))
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the reader never heard of its checks"
+    assert [str(e) for e in raised] == ["a check broke"]
+    assert sorted(checked) == [key(i).chunk_hash for i in range(4)]
+    monkeypatch.setattr(Tier, "_finish_read", finish)
+    assert all(o is not None for o in tier.read([key(0), key(2)], reader(allocator)))
+
+
+def test_checks_run_in_place_once_the_pool_takes_no_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At interpreter exit the verifier pool refuses work; a record that lands
+    then is still checked (on the completion thread), never left unwaited."""
+    closed = ThreadPoolExecutor(1)
+    closed.shutdown()
+    monkeypatch.setattr(checks, "VERIFIERS", closed)
+    batch: checks.CheckBatch[int] = checks.CheckBatch(3, 2)
+    batch.start(0, lambda n: n * 2, 21)
+    batch.start(2, lambda: threading.get_ident())
+    assert batch.wait() == [42, None, threading.get_ident()]

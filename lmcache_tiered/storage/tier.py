@@ -24,7 +24,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future
+from functools import partial
 from typing import TypeVar
 
 from lmcache.utils import CacheEngineKey
@@ -35,6 +36,7 @@ from lmcache_tiered.io import IOEngine, aligned_buffer
 from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.keys import key_digest
 from lmcache_tiered.metrics import TierStats
+from lmcache_tiered.storage.checks import VERIFIERS, CheckBatch
 from lmcache_tiered.storage.health import TierHealth
 from lmcache_tiered.storage.index import Entry, SlotIndex
 from lmcache_tiered.storage.layout import (
@@ -51,12 +53,6 @@ from lmcache_tiered.storage.tierfiles import TierFileSet, Transfer, plan_transfe
 __all__ = ["Allocator", "Payload", "Tier"]
 
 logger = logging.getLogger("lmcache_tiered")
-
-#: Checks records as they land (the checksums release the GIL): shared by all
-#: tiers of the process, sized to the cores, since it is CPU work.
-_VERIFIERS = ThreadPoolExecutor(
-    max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="lmcache-tiered-crc"
-)
 
 #: Slots preallocated on disk at a time as the tier fills up.
 _GROW_SLOTS = 64
@@ -315,8 +311,9 @@ class Tier:
         device failed; the record stays).
 
         One engine batch per record, all in flight at once; each record is
-        checked as soon as its own I/O lands, while the others still read, on
-        a small pool: one core of CRC32 is slower than the disks.
+        checked on the verifier pool (:mod:`lmcache_tiered.storage.checks`) as
+        soon as its own I/O lands, while the others still read: one core of
+        CRC32C is slower than the disks.
         """
         transfers = [
             None
@@ -324,27 +321,34 @@ class Tier:
             else plan_transfer(self.geometry, e.slot, e.header.payload_size, v, d, True)
             for e, v, d in zip(entries, views, direct, strict=True)
         ]
+        reads = [(i, t) for i, t in enumerate(transfers) if t is not None]
+        checks: CheckBatch[bool | None] = CheckBatch(len(entries), len(reads))
         started = time.perf_counter()
-        pending = {
-            self.files.submit(t.requests, write=False): i
-            for i, t in enumerate(transfers)
-            if t is not None
-        }
-        outcomes: list[bool | None] = [None] * len(entries)
-        checks: dict[Future[bool | None], int] = {}
-        for future in as_completed(pending):
-            self.stats.read_latency.observe(time.perf_counter() - started)
-            i = pending[future]
-            entry, transfer, view = entries[i], transfers[i], views[i]
-            assert entry is not None and transfer is not None and view is not None
-            check = _VERIFIERS.submit(
-                self._finish_read, entry, transfer, future.result(), view
+        for i, transfer in reads:
+            entry, view = entries[i], views[i]
+            assert entry is not None and view is not None
+            landing = self.files.submit(transfer.requests, write=False)
+            landing.add_done_callback(
+                partial(self._landed, checks, i, entry, transfer, view, started)
             )
-            checks[check] = i
-        for check, i in checks.items():
-            outcomes[i] = check.result()
+        outcomes = checks.wait()
         self._end_reads(entries, outcomes)
         return outcomes
+
+    def _landed(
+        self,
+        checks: CheckBatch[bool | None],
+        index: int,
+        entry: Entry,
+        transfer: Transfer,
+        view: memoryview,
+        started: float,
+        landing: Future[list[int]],
+    ) -> None:
+        """An engine's completion callback: the record's check goes straight to
+        the verifier pool, with how long its read took."""
+        took = time.perf_counter() - started
+        checks.start(index, self._finish_read, entry, transfer, landing, view, took)
 
     def _begin_reads(self, keys: Sequence[CacheEngineKey]) -> list[Entry | None]:
         with self._lock:
@@ -356,8 +360,9 @@ class Tier:
         self,
         entry: Entry,
         transfer: Transfer,
-        results: list[int],
+        landing: Future[list[int]],
         view: memoryview,
+        took: float,
     ) -> bool | None:
         """Check one record's transfers, copy bounce tails, verify its CRC.
 
@@ -366,6 +371,8 @@ class Tier:
         (the slab ends inside the record) is a damaged record, like a bad
         checksum: dropped.
         """
+        self.stats.read_latency.observe(took)
+        results = landing.result()
         failure = self.files.first_error(transfer.requests, results)
         self.health.note_io(failure)
         if failure is not None:
@@ -476,7 +483,7 @@ class Tier:
         requests = [r for _, _, _, t in taken for r in t.requests]
         writing = self.files.submit(requests, write=True)
         # checksums on the verifier threads while the payloads are in flight
-        checksums = _VERIFIERS.map(payload_checksum, [p.view for _, _, p, _ in taken])
+        checksums = VERIFIERS.map(payload_checksum, [p.view for _, _, p, _ in taken])
         planned = [
             (i, Entry(slot, payload.header(crc, last_sequence - i)), t)
             for (i, slot, payload, t), crc in zip(taken, checksums, strict=True)
