@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_bench import bench_args, mooncake, run, write_trace
 
-from lmcache_tiered.bench import calibrate, scenario, serve_bench, servers
+from lmcache_tiered.bench import calibrate, http_replay, scenario, serve_bench, servers
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.profiles import MeasuredProfile, get_profile
 from lmcache_tiered.bench.tiny_model import TinyLlama
@@ -250,3 +250,79 @@ def test_a_calibration_says_when_it_is_too_unsteady_for_the_model_check() -> Non
     misfit = calibrate.describe(_rates([0.02] * 6, 0.257))
     assert "NOT steady: the fit misses a length by 26 %" in misfit
     assert "calibrate right before the run you model" in misfit
+
+
+def _served(
+    sent: float, first: float, finished: float, new: int, cached: int, out: int = 17
+) -> http_replay.Served:
+    return http_replay.Served(sent, sent, first, finished, new + cached, out, cached)
+
+
+def _timed_run() -> list[http_replay.Served]:
+    """Requests of a run of vLLM alone: six that found the server idle (TTFT
+    0.05 s + 3e-4 s a new token + 2e-7 s a pair; decode steps 0.02 s + 4e-6 s
+    a context token, alone), and a burst of three overlapping ones whose
+    waits and shared steps must not enter either fit."""
+    served = []
+    t = 0.0
+    for new, cached in [(512, 0), (2048, 0), (300, 4096), (1500, 1024), (3000, 1024),
+                        (700, 2500)]:  # fmt: skip
+        ttft = 0.05 + 3e-4 * new + 2e-7 * (new * cached + new * new / 2)
+        step = 0.02 + 4e-6 * (new + cached + 17 // 2)
+        served.append(_served(t, t + ttft, t + ttft + 16 * step, new, cached))
+        t += 100.0
+    served += [_served(t, t + 9.0, t + 12.0, 2000, 0) for _ in range(3)]
+    return served
+
+
+def test_a_timed_run_measures_its_servers_rates_from_its_idle_requests() -> None:
+    """The prefill fit takes new tokens after cached ones, as bench charges
+    them; an extra decoding sequence costs a token of prefill."""
+    served = _timed_run()
+    assert len(calibrate.idle_requests(served)) == 6
+    assert len(calibrate.lone_decodes(served)) == 6
+    rates = calibrate.from_run(served)
+    assert rates is not None
+    assert rates["fixed_s"] == pytest.approx(0.05, rel=1e-4)
+    assert rates["per_token_s"] == pytest.approx(3e-4, rel=1e-4)
+    assert rates["per_pair_s"] == pytest.approx(2e-7, rel=1e-4)
+    assert rates["decode_step_s"] == pytest.approx(0.02, rel=1e-4)
+    assert rates["decode_per_context_token_s"] == pytest.approx(4e-6, rel=1e-4)
+    assert rates["decode_per_sequence_s"] == rates["per_token_s"]
+    assert rates["fit_worst_error"] < 1e-4
+    assert "from its 6 requests that found it idle" in calibrate.describe_run(rates)
+    assert calibrate.from_run(served[:4] + served[6:]) is None  # too few idle
+
+
+def test_a_timed_runs_json_is_a_profile_when_it_measured_rates(
+    tmp_path: Path,
+) -> None:
+    rates = calibrate.from_run(_timed_run())
+    assert rates is not None
+    setup = serve_bench.ServeSetup(
+        model_dir=tmp_path,
+        model=TinyLlama(),
+        warm=(tmp_path,),
+        concurrency=4,
+        token_budget=1024,
+        kv_cache_gb=1.0,
+        l1_gb=1.25,
+        warm_gb=8.0,
+        max_model_len=9000,
+        logs=tmp_path,
+    )
+    path = tmp_path / "run.json"
+    document = {"command": "serve-bench", "variants": {}, "profile": None}
+    path.write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="measured no rates") as caught:
+        get_profile(str(path))
+    assert str(path) in str(caught.value)
+    document["profile"] = serve_bench.profile_document("a run", setup, rates)
+    path.write_text(json.dumps(document))
+    profile = get_profile(str(path))
+    assert isinstance(profile, MeasuredProfile)
+    assert profile.prefill_s(300, 4096) == pytest.approx(
+        3e-4 * 300 + 2e-7 * (300 * 4096 + 300 * 300 / 2), rel=1e-4
+    )
+    assert profile.request_latency_s == pytest.approx(0.05, rel=1e-4)
+    assert profile.source.startswith("a run on ")

@@ -19,6 +19,14 @@ decoding together, fitted as ``step_s + per_context_token_s * ctx +
 per_sequence_s * (b - 1)`` for ``b`` sequences holding ``ctx`` tokens
 (:class:`lmcache_tiered.bench.profiles.MeasuredProfile`).
 
+The same rates from a timed run of vLLM alone (:func:`from_run`): on this
+VM the server's prefill ran up to 40 % faster or slower from one few minutes
+to the next (a fresh 2,048-token prompt took 1.16-1.20 s, then 0.66-0.90 s
+five minutes later; decode steps held within 3 %), so a calibration made
+before a run missed it by more than bench's 15 % check allows. The requests
+of the run itself that found the server idle measure its prefill in the
+very minutes the run took.
+
 May touch: the server at ``url``.
 """
 
@@ -42,6 +50,8 @@ DECODE_TOKENS = 33
 LONGEST = max(LENGTHS) + DECODE_TOKENS
 #: prompt of each request of the batched decode measurement (tokens)
 BATCH_PROMPT_TOKENS = 256
+#: fewest idle requests (and lone decodes) a run's own rates are fitted from
+MIN_IDLE_REQUESTS = 5
 #: repeats that differ by more than this share of their median, or a fit that
 #: misses a length by more, make a calibration too unsteady for bench's
 #: 15 % check against a real run (a queue near saturation multiplies it)
@@ -87,10 +97,18 @@ def _fit(columns: Sequence[np.ndarray], measured: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_prefill(prompt_tokens: Sequence[int], ttft_s: Sequence[float]) -> np.ndarray:
-    """``(fixed_s, per_token_s, per_pair_s)`` of the module docstring."""
+def fit_prefill(
+    prompt_tokens: Sequence[int],
+    ttft_s: Sequence[float],
+    cached_tokens: Sequence[int] | None = None,
+) -> np.ndarray:
+    """``(fixed_s, per_token_s, per_pair_s)`` of the module docstring; with
+    ``cached_tokens``, ``prompt_tokens`` are the new tokens computed after
+    them (``n * c + n^2 / 2`` pairs, as bench charges)."""
     n = np.asarray(prompt_tokens, dtype=float)
-    return _fit([np.ones_like(n), n, n * n / 2.0], np.asarray(ttft_s, dtype=float))
+    c = np.zeros_like(n) if cached_tokens is None else np.asarray(cached_tokens, float)
+    pairs = n * c + n * n / 2.0
+    return _fit([np.ones_like(n), n, pairs], np.asarray(ttft_s, dtype=float))
 
 
 def fit_decode(context_tokens: Sequence[int], step_s: Sequence[float]) -> np.ndarray:
@@ -157,6 +175,83 @@ def measure(
         "decode_batch_step_s": step_batch,
         "decode_per_sequence_s": max(0.0, (step_batch - alone) / max(batch - 1, 1)),
     }
+
+
+def idle_requests(served: Sequence[http_replay.Served]) -> list[http_replay.Served]:
+    """The requests no other request overlapped from their send to their first
+    token: their TTFT is the server's fixed cost and their prefill alone."""
+    return [
+        s
+        for s in served
+        if not any(
+            o is not s and o.sent < s.first_token and o.finished > s.sent
+            for o in served
+        )
+    ]
+
+
+def lone_decodes(served: Sequence[http_replay.Served]) -> list[http_replay.Served]:
+    """The requests that made their tokens with no other request in flight."""
+    return [
+        s
+        for s in served
+        if s.output_tokens > 1
+        and not any(
+            o is not s and o.sent < s.finished and o.finished > s.first_token
+            for o in served
+        )
+    ]
+
+
+def from_run(served: Sequence[http_replay.Served]) -> dict[str, Any] | None:
+    """The server's rates as a timed run of vLLM alone saw them, in the shape
+    :func:`measure` returns: prefill fitted on :func:`idle_requests` (their new
+    tokens after the ones vLLM had cached), decode on :func:`lone_decodes`. An
+    extra sequence in a decode step costs prefill's per-token cost: one more
+    row in the step's matrix products (calibrations here measured 0.51-0.60
+    ms, where prefill's per token was 0.26-0.54 ms). None with fewer than
+    :data:`MIN_IDLE_REQUESTS` of either."""
+    idle = idle_requests(served)
+    alone = lone_decodes(served)
+    if min(len(idle), len(alone)) < MIN_IDLE_REQUESTS:
+        return None
+    new = [s.input_length - s.cached_tokens for s in idle]
+    cached = [s.cached_tokens for s in idle]
+    ttft = np.array([s.first_token - s.sent for s in idle])
+    fixed, per_token, per_pair = fit_prefill(new, list(ttft), cached)
+    n, c = np.array(new, dtype=float), np.array(cached, dtype=float)
+    fitted = fixed + per_token * n + per_pair * (n * c + n * n / 2.0)
+    # a request's steps attend to its prompt and half its output, on average
+    contexts = [s.input_length + s.output_tokens // 2 for s in alone]
+    step, per_context = fit_decode(contexts, [_step_s(s) for s in alone])
+    return {
+        "rows": [
+            {"new_tokens": a, "cached_tokens": b, "ttft_s": float(t)}
+            for a, b, t in zip(new, cached, ttft, strict=True)
+        ],
+        "fixed_s": float(fixed),
+        "per_token_s": float(per_token),
+        "per_pair_s": float(per_pair),
+        "fit_worst_error": float(np.max(np.abs(fitted / ttft - 1.0))),
+        "decode_step_s": float(step),
+        "decode_per_context_token_s": float(per_context),
+        "decode_lone_requests": len(alone),
+        "decode_per_sequence_s": float(per_token),
+    }
+
+
+def describe_run(rates: dict[str, Any]) -> str:
+    """One line of :func:`from_run`'s rates."""
+    return (
+        f"vLLM alone's rates in this run, from its {len(rates['rows'])} requests "
+        f"that found it idle: ttft = {rates['fixed_s']:.3f} s"
+        f" + {1e6 * rates['per_token_s']:.1f} us x new token"
+        f" + {1e9 * rates['per_pair_s']:.2f} ns x (new x cached + new^2/2) (worst "
+        f"error {100 * rates['fit_worst_error']:.1f} %); decode step "
+        f"{1000 * rates['decode_step_s']:.1f} ms"
+        f" + {1e6 * rates['decode_per_context_token_s']:.2f} us x context token "
+        f"(from {rates['decode_lone_requests']} requests that decoded alone)"
+    )
 
 
 def unsteady(rates: dict[str, Any]) -> str | None:

@@ -264,12 +264,13 @@ class MeasuredProfile:
 
     @classmethod
     def from_calibration(cls, path: Path) -> MeasuredProfile:
-        """The profile a ``serve-bench --calibrate --json`` file measured."""
+        """The profile a ``serve-bench --calibrate --json`` file measured, or
+        the one a timed ``serve-bench --json`` run measured of vLLM alone."""
+        rates = _measured_rates(path)
         try:
-            rates: dict[str, Any] = json.loads(path.read_text())
             return cls(
                 name=path.stem,
-                source=f"serve-bench --calibrate on {rates['machine']} ({path})",
+                source=f"{rates['command']} on {rates['machine']} ({path})",
                 kv_bytes_per_token=int(rates["model"]["kv_bytes_per_token"]),
                 gpu_kv_tokens=int(rates["kv_cache_tokens"]),
                 pcie_bytes_per_s=CPU_COPY_BYTES_PER_S,
@@ -281,9 +282,9 @@ class MeasuredProfile:
                 per_context_token_s=float(rates["decode_per_context_token_s"]),
                 request_latency_s=float(rates["fixed_s"]),
             )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(
-                f"--profile {path}: not a serve-bench --calibrate JSON ({exc!r}); "
+                f"--profile {path}: not a serve-bench JSON with rates ({exc!r}); "
                 "make one with lmcache-tiered serve-bench --calibrate --json FILE"
             ) from None
 
@@ -303,6 +304,25 @@ class MeasuredProfile:
             + self.per_sequence_s * (batch - 1)
             + self.per_context_token_s * context_tokens
         )
+
+
+def _measured_rates(path: Path) -> dict[str, Any]:
+    """The rates in a serve-bench JSON file: a calibration's own, or the
+    ``profile`` a timed run measured; a ValueError naming the file if none."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--profile {path}: cannot read it ({exc})") from None
+    if not isinstance(document, dict) or "variants" not in document:
+        return document if isinstance(document, dict) else {}
+    if not document.get("profile"):
+        raise ValueError(
+            f"--profile {path}: this serve-bench run measured no rates: vLLM alone "
+            "(no_external_cache) did not run, was not valid, or too few of its "
+            "requests found the server idle; use a serve-bench --calibrate JSON"
+        )
+    profile: dict[str, Any] = document["profile"]
+    return profile
 
 
 _QWEN3_CODER_LAYERS = 62

@@ -465,8 +465,42 @@ def run_command(args: argparse.Namespace) -> int:
                     )
                 except (servers.ServerError, http_replay.ReplayError) as exc:
                     progress.console.print(f"{name}: failed: {exc}")
-        report(summaries, setup, requests, args)
+        profile = run_profile(summaries, setup)
+        report(summaries, setup, requests, args, profile)
+        if profile is not None and args.json:
+            print(
+                f"the model of this run: {model_command(setup, args)} --warm DIRS "
+                "--kv-link GBPS (its profile: the rates above)"
+            )
     return 0 if summaries else 1
+
+
+def run_profile(
+    summaries: dict[str, dict[str, Any]], setup: ServeSetup
+) -> dict[str, Any] | None:
+    """bench's profile of this server as vLLM alone's timed run measured it
+    (:func:`lmcache_tiered.bench.calibrate.from_run`): None without a valid
+    run of it, or with too few requests that found it idle."""
+    alone = summaries.get(NO_EXTERNAL_CACHE)
+    if alone is None or not alone["valid"]:
+        return None
+    rates = calibrate.from_run([http_replay.Served(**r) for r in alone["records"]])
+    if rates is None:
+        return None
+    return profile_document("serve-bench, vLLM alone's timed run", setup, rates)
+
+
+def profile_document(
+    command: str, setup: ServeSetup, rates: dict[str, Any]
+) -> dict[str, Any]:
+    """What ``bench --profile`` reads: the rates and what they were measured on."""
+    return {
+        "command": command,
+        "machine": machine(),
+        "model": setup.model.describe(),
+        "kv_cache_tokens": setup.kv_cache_tokens,
+        **rates,
+    }
 
 
 def _runnable(names: list[str], asked: str) -> list[str]:
@@ -517,16 +551,7 @@ def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:
             "--kv-link GBPS (the rate serve-bench prints for lmcache server's "
             "copies into vLLM; about 0.17 on vLLM-CPU)"
         )
-        write_json(
-            args.json,
-            {
-                "command": "serve-bench --calibrate",
-                "machine": machine(),
-                "model": setup.model.describe(),
-                "kv_cache_tokens": setup.kv_cache_tokens,
-                **rates,
-            },
-        )
+        write_json(args.json, profile_document("serve-bench --calibrate", setup, rates))
     return 0
 
 

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered.bench import http_replay, plot, trace
+from lmcache_tiered.bench import calibrate, http_replay, plot, trace
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.report import (
     delta,
@@ -189,7 +189,11 @@ def report(
     setup: ServeSetup,
     requests: Sequence[trace.Request],
     args: argparse.Namespace,
+    profile: dict[str, Any] | None = None,
 ) -> None:
+    """Print the run's table and notes; write its JSON (with ``profile``,
+    the server's rates this run measured, for ``bench --profile``) and
+    picture."""
     if not summaries:
         print("serve-bench: no variant ran")
         return
@@ -235,6 +239,8 @@ def report(
                 f"were submitted at the median, {moved['prefetch_ms_max']:.0f} ms "
                 "at most (its next scheduler step included)"
             )
+    if profile is not None:
+        print(calibrate.describe_run(profile))
     if args.json:
         document = {
             "command": "serve-bench",
@@ -252,6 +258,7 @@ def report(
             },
             "variants": summaries,
             "loaded_from_l2": from_disk,
+            "profile": profile,
         }
         write_json(args.json, document)
     if args.plot != "none":
