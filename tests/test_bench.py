@@ -1143,23 +1143,45 @@ def test_gpu_prefix_cache_hits_whole_blocks_and_evicts_lru_tail_first() -> None:
     a_again = Request(0.0, 3 * BLOCK_TOKENS, 1, (1, 2, 3))
     cache = GpuPrefixCache(capacity_tokens=4 * BLOCK_TOKENS)
     assert cache.hit_tokens(a) == 0
-    cache.hold(a)
+    cache.hold(0, a, a.input_length)
     # the third block holds 32 of A's 40 tokens (two whole 16-token blocks)
     assert cache.used == 2 * BLOCK_TOKENS + 32
     assert cache.hit_tokens(a_again) == 2 * BLOCK_TOKENS + 32
     # the same prompt again: all but its last token's block
     assert cache.hit_tokens(a) == 2 * BLOCK_TOKENS + 32
-    cache.release(a)
+    cache.release(0, a)
     b = Request(0.0, 3 * BLOCK_TOKENS, 1, (7, 8, 9))
-    cache.hold(b)  # 3 blocks more than the 4 that fit: A's tail goes first
+    cache.hold(1, b, b.input_length)  # 3 more blocks than fit: A's tail goes first
     assert cache.used <= cache.capacity
     assert cache.hit_tokens(a_again) == BLOCK_TOKENS
-    cache.release(b)
+    cache.release(1, b)
     held = GpuPrefixCache(capacity_tokens=BLOCK_TOKENS)
-    held.hold(b)  # running requests are never evicted (no preemption)
+    held.hold(2, b, b.input_length)  # running requests are never evicted
     assert held.hit_tokens(Request(0.0, 2 * BLOCK_TOKENS, 1, (7, 8))) == (
         2 * BLOCK_TOKENS - 16
     )
+
+
+def test_a_prefill_takes_its_room_chunk_by_chunk() -> None:
+    """vLLM allocates a prompt's blocks as it schedules each chunk: a long
+    prefill evicts a finished request's blocks while it runs, not only at its
+    end; a request holding a block through several calls releases it once."""
+    done = Request(0.0, 2 * BLOCK_TOKENS, 1, (1, 2))
+    long = Request(0.0, 4 * BLOCK_TOKENS, 1, (5, 6, 7, 8))
+    cache = GpuPrefixCache(capacity_tokens=4 * BLOCK_TOKENS)
+    cache.hold(0, done, done.input_length)
+    cache.release(0, done)
+    cache.hold(1, long, BLOCK_TOKENS)  # its first chunk: room for both
+    assert cache.hit_tokens(done) == 2 * BLOCK_TOKENS - 16
+    cache.hold(1, long, 3 * BLOCK_TOKENS)  # its third block pushes done's tail out
+    assert cache.used == 4 * BLOCK_TOKENS
+    assert cache.hit_tokens(done) == BLOCK_TOKENS
+    cache.hold(1, long, 3 * BLOCK_TOKENS)  # again: held once
+    cache.release(1, long)
+    other = Request(0.0, 4 * BLOCK_TOKENS, 1, (11, 12, 13, 14))
+    cache.hold(2, other, other.input_length)  # long's blocks were freed: evictable
+    assert cache.used == 4 * BLOCK_TOKENS
+    assert cache.hit_tokens(long) == 0
 
 
 @pytest.mark.parametrize("variant", ["none", "no_external_cache"])

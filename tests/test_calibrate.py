@@ -326,3 +326,17 @@ def test_a_timed_runs_json_is_a_profile_when_it_measured_rates(
     )
     assert profile.request_latency_s == pytest.approx(0.05, rel=1e-4)
     assert profile.source.startswith("a run on ")
+
+
+def test_idle_and_lone_requests_are_found_in_one_sweep() -> None:
+    """Overlaps in either direction, at equal send times too, and with a
+    one-token request (never a lone decode itself) still count."""
+    a = _served(0.0, 1.0, 2.0, 100, 0)
+    b = _served(1.5, 3.0, 4.0, 100, 0)  # sent while a decodes: neither a's decode
+    c = _served(10.0, 11.0, 12.0, 100, 0, out=1)  # nor b's prefill alone; one token
+    d = _served(10.0, 11.5, 13.0, 100, 0)  # sent with c; decodes while c finishes
+    e = _served(20.0, 20.5, 21.0, 100, 0)
+    f = _served(20.8, 21.5, 22.0, 100, 0)  # sent after e's first token
+    served = [f, e, d, c, b, a]
+    assert calibrate.idle_requests(served) == [a, e]
+    assert calibrate.lone_decodes(served) == [b, f]

@@ -22,7 +22,7 @@ from lmcache.v1.distributed.storage_controllers.store_policy import create_store
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
 
 from lmcache_tiered._lmcache import L2_ADAPTER_MODULES, RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench import disk_report, mpbench
+from lmcache_tiered.bench import disk_report, mpbench, rawio
 
 HAS_RAW_BLOCK = importlib.util.find_spec(RUST_RAW_BLOCK_EXTENSION) is not None
 
@@ -142,7 +142,8 @@ def test_the_goals_compare_with_the_best_released_configuration_of_each_kind() -
         "tiered": [1.6, 1.6],
     }
     result = disk_report.mp_result(
-        [placement(read, {"mp_tiered": 1.2, "mp_fs": 0.8, "mp_fs_x4": 0.3})]
+        [placement(read, {"mp_tiered": 1.2, "mp_fs": 0.8, "mp_fs_x4": 0.3})],
+        capped=True,
     )
     one, many, best, cpu, write = result["mp_goals"]
     assert one["against"] == "mp_fs" == best["against"]  # the fastest released
@@ -160,3 +161,36 @@ def test_the_goals_compare_with_the_best_released_configuration_of_each_kind() -
     assert result["mp_paired_ratios"]["mp_tiered_vs_mp_rb_by_key"] < 1
     text = "\n".join(disk_report.mp_lines(result))
     assert "by key 0.94x" in text and "NOT met" not in text.split("read CPU")[0]
+    assert [g["judged"] for g in result["mp_goals"]] == [True, True, False, False, True]
+    assert text.count("not judged here (this run read capped)") == 2
+
+
+def test_goals_are_judged_only_on_the_drives_they_are_set_for(tmp_path: Path) -> None:
+    """An uncapped run leaves the goals for capped drives unjudged, and the
+    other way round: a RAM-speed ratio says nothing of a capped target."""
+    read = {"mp_tiered": [1.0], "mp_fs": [2.0], "mp_fs_x4": [2.0], "tiered": [1.0]}
+    read["mp_rb_by_key"] = [1.0]
+    result = disk_report.mp_result([placement(read, {"mp_tiered": 1.0})], capped=False)
+    text = "\n".join(disk_report.mp_lines(result))
+    assert text.count("not judged here (this run read uncapped)") == 2
+    assert "on uncapped: NOT met" in text  # 0.5 x the best: judged, and missed
+
+
+def test_a_read_cap_is_found_in_either_cgroup_hierarchy(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "fs"
+    v1 = root / "blkio" / "rig"
+    v1.mkdir(parents=True)
+    (v1 / rawio.THROTTLE_FILE).write_text("")
+    proc.write_text("7:blkio:/rig\n0::/\n")
+    assert not rawio.reads_capped(str(proc), str(root))
+    (v1 / rawio.THROTTLE_FILE).write_text("7:0 40000000\n")
+    assert rawio.reads_capped(str(proc), str(root))
+    v2 = root / "unified" / "svc"
+    v2.mkdir(parents=True)
+    proc.write_text("0::/svc\n")
+    (v2 / "io.max").write_text("259:0 rbps=max wbps=max riops=max wiops=max\n")
+    assert not rawio.reads_capped(str(proc), str(root))
+    (v2 / "io.max").write_text("259:0 rbps=400000000 wbps=max riops=max wiops=max\n")
+    assert rawio.reads_capped(str(proc), str(root))
+    assert not rawio.reads_capped(str(tmp_path / "absent"), str(root))

@@ -33,7 +33,8 @@ May touch: the server at ``url``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -177,30 +178,36 @@ def measure(
     }
 
 
+def _alone(
+    served: Sequence[http_replay.Served],
+    window: Callable[[http_replay.Served], tuple[float, float]],
+) -> list[http_replay.Served]:
+    """The requests no other request was in flight with during their
+    ``window`` (which starts at or after their send): one sweep in send
+    order, so a long trace costs no quadratic scan."""
+    order = sorted(served, key=lambda s: s.sent)
+    alone = []
+    latest_finish = -math.inf  # of the requests sent before this one
+    for i, s in enumerate(order):
+        begin, end = window(s)
+        next_sent = order[i + 1].sent if i + 1 < len(order) else math.inf
+        if latest_finish <= begin and next_sent >= end:
+            alone.append(s)
+        latest_finish = max(latest_finish, s.finished)
+    return alone
+
+
 def idle_requests(served: Sequence[http_replay.Served]) -> list[http_replay.Served]:
     """The requests no other request overlapped from their send to their first
     token: their TTFT is the server's fixed cost and their prefill alone."""
-    return [
-        s
-        for s in served
-        if not any(
-            o is not s and o.sent < s.first_token and o.finished > s.sent
-            for o in served
-        )
-    ]
+    return _alone(served, lambda s: (s.sent, s.first_token))
 
 
 def lone_decodes(served: Sequence[http_replay.Served]) -> list[http_replay.Served]:
-    """The requests that made their tokens with no other request in flight."""
-    return [
-        s
-        for s in served
-        if s.output_tokens > 1
-        and not any(
-            o is not s and o.sent < s.finished and o.finished > s.first_token
-            for o in served
-        )
-    ]
+    """The requests that made their tokens (two or more) with no other request
+    in flight."""
+    alone = _alone(served, lambda s: (s.first_token, s.finished))
+    return [s for s in alone if s.output_tokens > 1]
 
 
 def from_run(served: Sequence[http_replay.Served]) -> dict[str, Any] | None:

@@ -42,6 +42,7 @@ from lmcache_tiered.bench.rawio import (
     filesystem_type,
     fio_read_gbps,
     raw_read_gbps,
+    reads_capped,
 )
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.io.uring import UringEngine
@@ -462,7 +463,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "per_placement": [asdict(p) for p in placements],
     }
     if args.mp:
-        result |= mp_result(placements)
+        result |= mp_result(placements, reads_capped())
     return result
 
 

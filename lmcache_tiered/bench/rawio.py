@@ -207,3 +207,43 @@ def drop_page_cache() -> bool:
         logger.warning("cannot drop the page cache (%s); reads may be warm", exc)
         return False
     return True
+
+
+def reads_capped(
+    proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup"
+) -> bool:
+    """Whether this process's reads run under a bandwidth cap: a cgroup v1
+    ``blkio`` read throttle or a v2 ``io.max`` ``rbps`` limit, as a capped
+    rig sets them. Goals set for capped drives are judged only then, goals at
+    RAM speed only without."""
+    try:
+        with open(proc_cgroup) as f:
+            memberships = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return False
+    for _, controllers, path in memberships:
+        group = path.lstrip("/")
+        if "blkio" in controllers.split(","):
+            limits = _text(os.path.join(cgroup_root, "blkio", group, THROTTLE_FILE))
+            if limits.strip():
+                return True
+        elif not controllers:  # the v2 hierarchy, alone or beside v1
+            for base in (cgroup_root, os.path.join(cgroup_root, "unified")):
+                limits = _text(os.path.join(base, group, "io.max"))
+                if any(
+                    f.startswith("rbps=") and f != "rbps=max" for f in limits.split()
+                ):
+                    return True
+    return False
+
+
+#: cgroup v1's per-device read bandwidth limits ("major:minor bytes/s" lines)
+THROTTLE_FILE = "blkio.throttle.read_bps_device"
+
+
+def _text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""

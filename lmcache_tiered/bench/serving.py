@@ -335,6 +335,7 @@ class Replay:
                     self._retrieve(live)
         for live in admitted:
             live.loaded = self.gpu
+            self.gpu_cache.hold(live.index, self.requests[live.index], live.computed)
         self.prefilling.extend(admitted)
 
     def _admit_prefetched(self, free: int) -> None:
@@ -358,6 +359,9 @@ class Replay:
                 live.hits = self._lookup(live)
             if self._hit_tokens(live) > live.gpu_cached:
                 assert self.prefetching is not None
+                # vLLM allocates the blocks a load will fill when it starts it
+                request = self.requests[live.index]
+                self.gpu_cache.hold(live.index, request, self._hit_tokens(live))
                 self.prefetching.submit(self._prefetch, live)
                 continue
             with self._real_work():
@@ -385,10 +389,13 @@ class Replay:
             self.cond.notify_all()
 
     def _take_gpu_share(self, live: _Live) -> None:
-        """The prompt tokens vLLM's GPU prefix cache holds count as computed."""
+        """The prompt tokens vLLM's GPU prefix cache holds count as computed,
+        and the request holds them from now on."""
+        request = self.requests[live.index]
         live.gpu_cached = live.cached = live.computed = self.gpu_cache.hit_tokens(
-            self.requests[live.index]
+            request
         )
+        self.gpu_cache.hold(live.index, request, live.computed)
 
     def _hit_tokens(self, live: _Live) -> int:
         """Prompt tokens of the hit prefix LMCache's lookup found."""
@@ -470,13 +477,13 @@ class Replay:
         for live, take in chunks:
             request = self.requests[live.index]
             live.computed = min(live.computed + take, request.input_length)
+            self.gpu_cache.hold(live.index, request, live.computed)
             if live.computed >= request.input_length:
                 self._prefilled(live)
 
     def _prefilled(self, live: _Live) -> None:
         """Store the new KV (what vLLM's LMCache connector saves), first token."""
         self.prefilling.remove(live)
-        self.gpu_cache.hold(self.requests[live.index])
         tokens = self.workload.tokens[live.index]
         skip = live.cached // CHUNK_TOKENS * CHUNK_TOKENS
         if self.engine is not None and len(tokens) - skip >= CHUNK_TOKENS:
@@ -545,7 +552,7 @@ class Replay:
 
     def _finish(self, live: _Live) -> None:
         request = self.requests[live.index]
-        self.gpu_cache.release(request)
+        self.gpu_cache.release(live.index, request)
         on_gpu = live.gpu_cached // CHUNK_TOKENS
         loaded = on_gpu + math.ceil(live.loaded_tokens / CHUNK_TOKENS)
         gpu = {"gpu": on_gpu} if on_gpu else {}
