@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,22 @@ def test_decode_fit_is_a_step_and_a_cost_per_context_token() -> None:
     ctx = [500, 2000, 8000]
     step, per_context = calibrate.fit_decode(ctx, [0.02 + 1e-5 * c for c in ctx])
     assert step == pytest.approx(0.02) and per_context == pytest.approx(1e-5)
+
+
+def serve_setup(tmp_path: Path) -> serve_bench.ServeSetup:
+    """serve-bench's settings for 4 slots of a 1,024-token budget."""
+    return serve_bench.ServeSetup(
+        model_dir=tmp_path,
+        model=TinyLlama(),
+        warm=(tmp_path,),
+        concurrency=4,
+        token_budget=1024,
+        kv_cache_gb=1.0,
+        l1_gb=1.25,
+        warm_gb=8.0,
+        max_model_len=9000,
+        logs=tmp_path,
+    )
 
 
 def calibration(tmp_path: Path, **changes: Any) -> Path:
@@ -196,18 +213,7 @@ def test_calibrate_prints_the_bench_command_that_models_this_server(
         ["serve-bench", "--calibrate", "--json", str(path), "--limit", "6",
          "--concurrency", "4", "--token-budget", "1024"]
     )  # fmt: skip
-    setup = serve_bench.ServeSetup(
-        model_dir=tmp_path,
-        model=TinyLlama(),
-        warm=(tmp_path,),
-        concurrency=4,
-        token_budget=1024,
-        kv_cache_gb=1.0,
-        l1_gb=1.25,
-        warm_gb=8.0,
-        max_model_len=9000,
-        logs=tmp_path,
-    )
+    setup = serve_setup(tmp_path)
     command = shlex.split(serve_bench.model_command(setup, args))
     assert command[0] == "lmcache-tiered"
     bench = parse_args([*command[1:], "--warm", str(tmp_path), "--kv-link", "0.17"])
@@ -299,18 +305,7 @@ def test_a_timed_runs_json_is_a_profile_when_it_measured_rates(
 ) -> None:
     rates = calibrate.from_run(_timed_run())
     assert rates is not None
-    setup = serve_bench.ServeSetup(
-        model_dir=tmp_path,
-        model=TinyLlama(),
-        warm=(tmp_path,),
-        concurrency=4,
-        token_budget=1024,
-        kv_cache_gb=1.0,
-        l1_gb=1.25,
-        warm_gb=8.0,
-        max_model_len=9000,
-        logs=tmp_path,
-    )
+    setup = serve_setup(tmp_path)
     path = tmp_path / "run.json"
     document = {"command": "serve-bench", "variants": {}, "profile": None}
     path.write_text(json.dumps(document))
@@ -340,3 +335,14 @@ def test_idle_and_lone_requests_are_found_in_one_sweep() -> None:
     served = [f, e, d, c, b, a]
     assert calibrate.idle_requests(served) == [a, e]
     assert calibrate.lone_decodes(served) == [b, f]
+
+
+def test_a_run_without_a_valid_vllm_alone_has_no_profile(tmp_path: Path) -> None:
+    setup = serve_setup(tmp_path)
+    records = [asdict(s) for s in _timed_run()]
+    assert serve_bench.run_profile({}, setup) is None
+    alone = {"valid": False, "records": records}
+    assert serve_bench.run_profile({NO_EXTERNAL_CACHE: alone}, setup) is None
+    valid = {NO_EXTERNAL_CACHE: alone | {"valid": True}}
+    profile = serve_bench.run_profile(valid, setup)
+    assert profile is not None and profile["per_token_s"] == pytest.approx(3e-4)

@@ -108,8 +108,12 @@ def fit_prefill(
     them (``n * c + n^2 / 2`` pairs, as bench charges)."""
     n = np.asarray(prompt_tokens, dtype=float)
     c = np.zeros_like(n) if cached_tokens is None else np.asarray(cached_tokens, float)
-    pairs = n * c + n * n / 2.0
-    return _fit([np.ones_like(n), n, pairs], np.asarray(ttft_s, dtype=float))
+    return _fit([np.ones_like(n), n, _pairs(n, c)], np.asarray(ttft_s, dtype=float))
+
+
+def _pairs(new: np.ndarray, cached: np.ndarray) -> np.ndarray:
+    """Query-key pairs of prefilling ``new`` tokens after ``cached`` ones."""
+    return new * cached + new * new / 2.0
 
 
 def fit_decode(context_tokens: Sequence[int], step_s: Sequence[float]) -> np.ndarray:
@@ -227,7 +231,7 @@ def from_run(served: Sequence[http_replay.Served]) -> dict[str, Any] | None:
     ttft = np.array([s.first_token - s.sent for s in idle])
     fixed, per_token, per_pair = fit_prefill(new, list(ttft), cached)
     n, c = np.array(new, dtype=float), np.array(cached, dtype=float)
-    fitted = fixed + per_token * n + per_pair * (n * c + n * n / 2.0)
+    fitted = fixed + per_token * n + per_pair * _pairs(n, c)
     # a request's steps attend to its prompt and half its output, on average
     contexts = [s.input_length + s.output_tokens // 2 for s in alone]
     step, per_context = fit_decode(contexts, [_step_s(s) for s in alone])

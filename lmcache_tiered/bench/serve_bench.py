@@ -467,6 +467,8 @@ def run_command(args: argparse.Namespace) -> int:
                     progress.console.print(f"{name}: failed: {exc}")
         profile = run_profile(summaries, setup)
         report(summaries, setup, requests, args, profile)
+        if profile is not None:
+            print(calibrate.describe_run(profile))
         if profile is not None and args.json:
             print(
                 f"the model of this run: {model_command(setup, args)} --warm DIRS "

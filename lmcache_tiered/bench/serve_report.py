@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered.bench import calibrate, http_replay, plot, trace
+from lmcache_tiered.bench import http_replay, plot, trace
 from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.report import (
     delta,
@@ -239,8 +239,6 @@ def report(
                 f"were submitted at the median, {moved['prefetch_ms_max']:.0f} ms "
                 "at most (its next scheduler step included)"
             )
-    if profile is not None:
-        print(calibrate.describe_run(profile))
     if args.json:
         document = {
             "command": "serve-bench",
