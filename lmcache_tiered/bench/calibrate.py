@@ -170,15 +170,29 @@ def measure(
     alone = step + per_context * batch_context
     return {
         "rows": rows,
-        "fixed_s": float(fixed),
-        "per_token_s": float(per_token),
-        "per_pair_s": float(per_pair),
-        "fit_worst_error": float(np.max(np.abs(fitted / ttft - 1.0))),
-        "decode_step_s": float(step),
-        "decode_per_context_token_s": float(per_context),
+        **_rates(fixed, per_token, per_pair, fitted / ttft, step, per_context),
         "decode_batch": batch,
         "decode_batch_step_s": step_batch,
         "decode_per_sequence_s": max(0.0, (step_batch - alone) / max(batch - 1, 1)),
+    }
+
+
+def _rates(
+    fixed: float,
+    per_token: float,
+    per_pair: float,
+    fitted_over_measured: np.ndarray,
+    step: float,
+    per_context: float,
+) -> dict[str, Any]:
+    """The fields every measurement of a server's rates gives bench's profile."""
+    return {
+        "fixed_s": float(fixed),
+        "per_token_s": float(per_token),
+        "per_pair_s": float(per_pair),
+        "fit_worst_error": float(np.max(np.abs(fitted_over_measured - 1.0))),
+        "decode_step_s": float(step),
+        "decode_per_context_token_s": float(per_context),
     }
 
 
@@ -240,12 +254,7 @@ def from_run(served: Sequence[http_replay.Served]) -> dict[str, Any] | None:
             {"new_tokens": a, "cached_tokens": b, "ttft_s": float(t)}
             for a, b, t in zip(new, cached, ttft, strict=True)
         ],
-        "fixed_s": float(fixed),
-        "per_token_s": float(per_token),
-        "per_pair_s": float(per_pair),
-        "fit_worst_error": float(np.max(np.abs(fitted / ttft - 1.0))),
-        "decode_step_s": float(step),
-        "decode_per_context_token_s": float(per_context),
+        **_rates(fixed, per_token, per_pair, fitted / ttft, step, per_context),
         "decode_lone_requests": len(alone),
         "decode_per_sequence_s": float(per_token),
     }
