@@ -469,11 +469,11 @@ def run_command(args: argparse.Namespace) -> int:
         report(summaries, setup, requests, args, profile)
         if profile is not None:
             print(calibrate.describe_run(profile))
-        if profile is not None and args.json:
-            print(
-                f"the model of this run: {model_command(setup, args)} --warm DIRS "
-                "--kv-link GBPS (its profile: the rates above)"
-            )
+            if args.json:
+                print(
+                    f"the model of this run: {model_command(setup, args)} --warm "
+                    "DIRS --kv-link GBPS (its profile: the rates above)"
+                )
     return 0 if summaries else 1
 
 
