@@ -122,6 +122,37 @@ def test_batch_larger_than_queue_depth(build: EngineFactory, files: list[int]) -
     assert bytes(target) == bytes(source)
 
 
+def test_several_batches_at_once_each_get_their_own_results(
+    build: EngineFactory, files: list[int]
+) -> None:
+    """``submit_many`` (one hand-over for a whole load): one future per
+    batch, each with its own batch's results in order, a bad request failing
+    only its own batch's entry, an empty batch resolving at once."""
+    engine = build(files, 4)
+    sources = [filled(bytes([i]) * 2 * ALIGN) for i in range(6)]
+    writes = [
+        [IORequest(i % 3, (i // 3) * 2 * ALIGN, s)] for i, s in enumerate(sources)
+    ]
+    assert [f.result() for f in engine.submit_many(writes, write=True)] == [
+        [2 * ALIGN]
+    ] * 6
+    targets = [aligned_buffer(2 * ALIGN) for _ in sources]
+    reads = [
+        [
+            IORequest(r.file, r.offset, t[:ALIGN]),
+            IORequest(r.file, r.offset + ALIGN, t[ALIGN:]),
+        ]
+        for [r], t in zip(writes, targets, strict=True)
+    ]
+    reads.insert(2, [])
+    reads.insert(4, [IORequest(7, 0, aligned_buffer(ALIGN))])
+    results = [f.result() for f in engine.submit_many(reads, write=False)]
+    assert results[2] == [] and results[4] == [-errno.EBADF]
+    del results[4], results[2]
+    assert results == [[ALIGN, ALIGN]] * 6
+    assert [bytes(t) for t in targets] == [bytes(s) for s in sources]
+
+
 def test_a_read_goes_before_writes_queued_earlier(
     build: EngineFactory, files: list[int]
 ) -> None:

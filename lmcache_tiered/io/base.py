@@ -63,6 +63,13 @@ class IOEngine(abc.ABC):
     def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
         """Start every request of the batch (up to ``queue_depth`` in flight)."""
 
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
+        """Start several batches at once: one future each, as :meth:`submit`
+        gives. Engines that can hand them over in one wake-up override it."""
+        return [self.submit(requests, write) for requests in batches]
+
     def read(self, requests: Sequence[IORequest]) -> list[int]:
         """Blocking read of a batch: ``submit(requests, write=False).result()``."""
         return self.submit(requests, write=False).result()

@@ -98,6 +98,14 @@ class ProvisionalEngine(IOEngine):
                 raise RuntimeError("the I/O engine is closed")
             return self._engine.submit(requests, write)
 
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the I/O engine is closed")
+            return self._engine.submit_many(batches, write)
+
     def register_buffers(self, regions: Sequence[memoryview]) -> bool:
         """Kept for io_uring, registered there when it takes over."""
         with self._lock:

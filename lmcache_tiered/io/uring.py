@@ -184,23 +184,27 @@ class UringEngine(IOEngine):
             return {"completions": self._completions, "fixed": self._fixed}
 
     def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
-        future: Future[list[int]] = Future()
-        future.set_running_or_notify_cancel()
-        batch = _Batch(future, len(requests), write)
+        return self.submit_many([requests], write)[0]
+
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
+        """Queue every batch's requests under one lock and wake the reaper
+        once: a load of 16 chunks costs one wake-up and one
+        ``io_uring_enter``, not 16."""
+        futures: list[Future[list[int]]] = []
         ops: list[_Op] = []
-        for index, request in enumerate(requests):
-            if not 0 <= request.file < len(self.fds):
-                batch.finish(index, -errno.EBADF)
-            elif not write and request.buffer.readonly:
-                batch.finish(index, -errno.EFAULT)
-            else:
-                try:
-                    ops.append(_Op(batch, index, request))
-                except BufferError:  # not contiguous
-                    batch.finish(index, -errno.EINVAL)
+        for requests in batches:
+            future: Future[list[int]] = Future()
+            future.set_running_or_notify_cancel()
+            futures.append(future)
+            batch = _Batch(future, len(requests), write)
+            queued = self._ops(batch, requests)
+            if not queued:
+                future.set_result(batch.results)
+            ops.extend(queued)
         if not ops:
-            future.set_result(batch.results)
-            return future
+            return futures
         with self._lock:
             if self._closing:
                 raise RuntimeError("UringEngine is closed")
@@ -208,7 +212,23 @@ class UringEngine(IOEngine):
             # Under the lock: once close() has run, the eventfd number may
             # belong to another file. The write never blocks.
             os.eventfd_write(self._efd, 1)  # the reaper submits
-        return future
+        return futures
+
+    def _ops(self, batch: _Batch, requests: Sequence[IORequest]) -> list[_Op]:
+        """The batch's requests that can go to the ring; the others are
+        finished at once with the errno that says why not."""
+        ops: list[_Op] = []
+        for index, request in enumerate(requests):
+            if not 0 <= request.file < len(self.fds):
+                batch.finish(index, -errno.EBADF)
+            elif not batch.write and request.buffer.readonly:
+                batch.finish(index, -errno.EFAULT)
+            else:
+                try:
+                    ops.append(_Op(batch, index, request))
+                except BufferError:  # not contiguous
+                    batch.finish(index, -errno.EINVAL)
+        return ops
 
     def register_buffers(self, regions: Sequence[memoryview]) -> bool:
         """Register memory that requests will read into or write from.

@@ -310,10 +310,10 @@ class Tier:
         (bad: dropped from the tier) or None (not read: no buffer, or the
         device failed; the record stays).
 
-        One engine batch per record, all in flight at once; each record is
-        checked on the verifier pool (:mod:`lmcache_tiered.storage.checks`) as
-        soon as its own I/O lands, while the others still read: one core of
-        CRC32C is slower than the disks.
+        One engine batch per record, all handed over in one call and in flight
+        at once; each record is checked on the verifier pool
+        (:mod:`lmcache_tiered.storage.checks`) as soon as its own I/O lands,
+        while the others still read: one core of CRC32C is slower than the disks.
         """
         transfers = [
             None
@@ -324,10 +324,10 @@ class Tier:
         reads = [(i, t) for i, t in enumerate(transfers) if t is not None]
         checks: CheckBatch[bool | None] = CheckBatch(len(entries), len(reads))
         started = time.perf_counter()
-        for i, transfer in reads:
+        landings = self.files.submit_many([t.requests for _, t in reads], write=False)
+        for (i, transfer), landing in zip(reads, landings, strict=True):
             entry, view = entries[i], views[i]
             assert entry is not None and view is not None
-            landing = self.files.submit(transfer.requests, write=False)
             landing.add_done_callback(
                 partial(self._landed, checks, i, entry, transfer, view, started)
             )

@@ -344,12 +344,21 @@ class TierFileSet:
     def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
         """The engine's future for a batch; one already failed with EIO when
         the engine refuses it (closed, out of resources): I/O never raises."""
+        return self.submit_many([requests], write)[0]
+
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
+        """:meth:`submit` for several batches handed to the engine at once."""
         try:
-            return self.engine.submit(requests, write)
+            return self.engine.submit_many(batches, write)
         except Exception as exc:
             logger.debug("tier %s: engine refused a batch: %s", self.options.name, exc)
-            failed: Future[list[int]] = Future()
-            failed.set_result([-errno.EIO] * len(requests))
+            failed = []
+            for requests in batches:
+                future: Future[list[int]] = Future()
+                future.set_result([-errno.EIO] * len(requests))
+                failed.append(future)
             return failed
 
     def first_error(
