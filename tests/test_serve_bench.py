@@ -12,6 +12,7 @@ import gc
 import json
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
@@ -151,9 +152,9 @@ def test_every_request_opens_a_connection_of_its_own(stub: StreamingStub) -> Non
 def test_the_prompts_stay_out_of_the_collectors_scans_while_a_replay_runs(
     stub: StreamingStub,
 ) -> None:
-    """A full collection over the prompts' lists blocked the client's event
-    loop long enough to send a request late; they are frozen for the run, and
-    only for the run."""
+    """A full collection over the prompts' lists blocks the client's event
+    loop for 62-68 ms with agent-cpu's; they are frozen for the run, and only
+    for the run."""
     frozen: list[int] = []
     requests = [Request(0.0, 300, 2, (1,)), Request(0.0, 600, 2, (1, 2))]
     http_replay.replay(
@@ -165,6 +166,36 @@ def test_the_prompts_stay_out_of_the_collectors_scans_while_a_replay_runs(
     )
     assert len(frozen) == 2 and min(frozen) > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_long_waits_are_slept_in_slices(
+    stub: StreamingStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoll wait may end 0.1 % of its timeout late (58-80 ms for a
+    follow-up slept 174 s): the client never asks for a wait longer than
+    SLEEP_SLICE_S, and still sends on time."""
+    monkeypatch.setattr(http_replay, "SLEEP_SLICE_S", 0.1)
+    asked: list[float] = []
+    sleep = asyncio.sleep
+
+    async def recorded(delay: float, *args: Any) -> Any:
+        asked.append(delay)
+        return await sleep(delay, *args)
+
+    client_asyncio = types.ModuleType("asyncio")  # the stub server keeps its own
+    client_asyncio.__dict__.update(vars(asyncio), sleep=recorded)
+    monkeypatch.setattr(http_replay, "asyncio", client_asyncio)
+    requests = [
+        Request(0.0, 300, 2, (1,)),
+        Request(0.35, 600, 2, (2,)),
+        Request(0.0, 900, 2, (1, 2), after=0, think_s=0.25),
+    ]
+    served = http_replay.replay(stub.url, "m", requests, TokenBlocks())
+    assert len([d for d in asked if d == 0.1]) >= 5  # 3 of 0.35 s, 2 of 0.25 s
+    assert max(asked) <= 0.1
+    assert served[1].due == pytest.approx(0.35)
+    for s in served:
+        assert 0 <= s.sent - s.due < 0.05
 
 
 def test_replay_names_a_refused_request(stub: StreamingStub) -> None:

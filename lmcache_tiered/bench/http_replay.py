@@ -31,6 +31,13 @@ REQUEST_TIMEOUT_S = 1800.0
 TRACE_REQUEST_ID = "trace-{}"
 #: prompt tokens of :func:`warm_up`'s request
 WARM_UP_TOKENS = 512
+#: The longest wait the client hands the kernel at once (seconds). Linux
+#: lets an epoll wait, which asyncio's sleeps are, end up to 0.1 % of its
+#: timeout late (100 ms at most: ``select_estimate_accuracy`` in
+#: fs/select.c): a follow-up turn slept 174 s and went out 58-80 ms late in
+#: every variant of a run. Waits in slices of this length are late by 1 ms
+#: at most.
+SLEEP_SLICE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +145,20 @@ async def _replay(
     prompts = [blocks.tokens(r).tolist() for r in requests]
     # the prompts are hundreds of thousands of ints in lists, which a full
     # collection scans (62-68 ms for agent-cpu's here, the event loop blocked
-    # meanwhile; a run sent the same request 82 ms late in every variant):
-    # kept out of the collector's scans while the run lasts
+    # meanwhile): kept out of the collector's scans while the run lasts
     gc.collect()
     gc.freeze()
     try:
         return await _send_all(url, model, requests, prompts, on_done, request_id)
     finally:
         gc.unfreeze()
+
+
+async def _sleep_until(deadline: float) -> None:
+    """Sleep until ``time.monotonic()`` reaches ``deadline``, in slices of at
+    most :data:`SLEEP_SLICE_S` (one long wait can end late)."""
+    while (left := deadline - time.monotonic()) > 0:
+        await asyncio.sleep(min(left, SLEEP_SLICE_S))
 
 
 async def _send_all(
@@ -172,7 +185,7 @@ async def _send_all(
             if request.after is not None:
                 done_at = await finished[request.after]
                 due = max(due, done_at + request.think_s)
-            await asyncio.sleep(max(0.0, start + due - time.monotonic()))
+            await _sleep_until(start + due)
             sent = time.monotonic()
             first, tokens, cached = await _complete(
                 session,
