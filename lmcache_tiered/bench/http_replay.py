@@ -35,8 +35,8 @@ WARM_UP_TOKENS = 512
 #: lets an epoll wait, which asyncio's sleeps are, end up to 0.1 % of its
 #: timeout late (100 ms at most: ``select_estimate_accuracy`` in
 #: fs/select.c): a follow-up turn slept 174 s and went out 58-80 ms late in
-#: every variant of a run. Waits in slices of this length are late by 1 ms
-#: at most.
+#: every variant of a run. Waits in slices of this length ended 1.3-1.5 ms
+#: late here.
 SLEEP_SLICE_S = 1.0
 
 
