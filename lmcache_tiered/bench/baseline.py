@@ -96,7 +96,9 @@ class GpuPrefixCache:
         block once."""
         touched = self._holding.get(owner, 0)
         count = 0
-        for index, block in enumerate(request.hash_ids):
+        # the blocks before the last one held are whole already: start there
+        for index in range(max(touched - 1, 0), len(request.hash_ids)):
+            block = request.hash_ids[index]
             start = index * trace.BLOCK_TOKENS
             computed = max(0, tokens - start) // VLLM_BLOCK_TOKENS * VLLM_BLOCK_TOKENS
             covered = min(_covered(request, index), computed)

@@ -46,6 +46,8 @@ TEST_FILE_NAME = "lmcache-tiered-rawio.bin"
 IN_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 #: fio's queue depth, the one quoted in DESIGN.md.
 FIO_IODEPTH = 32
+#: cgroup v1's per-device read bandwidth limits ("major:minor bytes/s" lines)
+THROTTLE_FILE = "blkio.throttle.read_bps_device"
 
 
 def prepare_files(
@@ -235,10 +237,6 @@ def reads_capped(
                 ):
                     return True
     return False
-
-
-#: cgroup v1's per-device read bandwidth limits ("major:minor bytes/s" lines)
-THROTTLE_FILE = "blkio.throttle.read_bps_device"
 
 
 def _text(path: str) -> str:
