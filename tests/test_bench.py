@@ -487,6 +487,29 @@ def test_stock_backend_reads_and_writes_through_its_modelled_drive(
         dirs.remove()
 
 
+@pytest.mark.parametrize("variant", ["none", variants.LOCAL_DISK])
+def test_restart_starts_with_every_prompt_on_the_drives_and_none_in_memory(
+    tmp_path: Path, variant: str
+) -> None:
+    """--restart: every distinct prompt is on the drives before the replay and
+    LMCache's CPU tier is empty, so A and C, which no cache could serve
+    without it, load all their whole chunks from the drive; the drive's
+    figures count the replay only, not the fill."""
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), "--hot-gb", "0.05", "--restart"
+    )
+    result = run(args, variant)
+    a, b, c = result.records
+    assert a.served == {"warm": 3} and c.served == {"warm": 1}
+    assert sum(b.served.values()) == 5  # A's 3 chunks and its own 2
+    assert result.backend_metrics["restart_fill"]["prompts"] == 3
+    drive = result.backend_metrics["devices"][
+        "disk" if variant == variants.LOCAL_DISK else "warm"
+    ]
+    from_drive = sum(r.served.get("warm", 0) for r in (a, b, c))
+    assert drive["bench_bytes"] == from_drive * result.chunk_bytes
+
+
 def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     """A closed-loop turn arrives its think time after the previous finished."""
     requests = [

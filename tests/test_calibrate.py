@@ -224,6 +224,12 @@ def test_calibrate_prints_the_bench_command_that_models_this_server(
     assert model.loading == "prefetch" and model.shape.kv_scale == 1
     assert (model.concurrency, model.token_budget, model.hot_gb) == (4, 1024, 1.25)
     assert model.cold_paths == () and bench.policies == "none"
+    assert not model.restart
+    # a --restart run's model restarts too
+    args = parse_args(["serve-bench", "--restart", "--json", str(path)])
+    command = shlex.split(serve_bench.model_command(setup, args))
+    bench = parse_args([*command[1:], "--warm", str(tmp_path)])
+    assert scenario.make_setup(bench, scenario.load_requests(bench)).restart
 
 
 def _rates(spreads: list[float], fit_error: float) -> dict[str, Any]:

@@ -111,6 +111,13 @@ class Device:
             with self._lock:
                 self.overrun_s += late
 
+    def zero_counts(self) -> None:
+        """Start the counts again (``--restart``: the untimed fill is not
+        part of the run); a transfer in progress keeps its place on the pipe."""
+        with self._lock:
+            self.transfers = self.bytes = 0
+            self.modelled_s = self.overrun_s = 0.0
+
     def metrics(self) -> dict[str, Any]:
         """What the JSON shows of the device."""
         return {

@@ -76,6 +76,9 @@ class Setup:
     #: how LMCache's hits are loaded (``--loading``, see
     #: :data:`lmcache_tiered.cli.bench.LOADING_SYNC`)
     loading: str = LOADING_SYNC
+    #: ``--restart``: each variant with an engine starts with every distinct
+    #: prompt on its drives and nothing in memory
+    restart: bool = False
 
     def tier_devices(self) -> dict[str, Device]:
         """Fresh modelled devices for the plugin's tiers: one drive per warm
@@ -211,6 +214,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
         cold_adapter=args.cold_adapter,
         loading=args.loading,
+        restart=args.restart,
     )
 
 
@@ -283,6 +287,13 @@ def describe(
         + f", {setup.baseline_disk_gb:.1f} GiB"
         + (" (local NVMe only: the cold tier is remote)" if setup.cold_remote else ""),
     ]
+    if setup.restart:
+        lines.append(
+            "restart: each variant with LMCache first stores every distinct prompt "
+            "once, untimed, and waits until it is on its drives; then LMCache's CPU "
+            "tier is emptied: the replay starts as a server restarted over full "
+            "drives (serve-bench --restart); vLLM's prefix cache starts empty"
+        )
     if setup.warm_drive is None and shape.kv_scale != 1:
         lines.append(
             f"note: --warm-drive none at --kv-scale {shape.kv_scale:g}: this disk "
@@ -355,6 +366,7 @@ def config_json(
         "token_budget": setup.token_budget,
         "kv_link_gbps": setup.kv_link_bytes_per_s / 1e9,
         "loading": setup.loading,
+        "restart": setup.restart,
         "hot_gb": setup.hot_gb,
         "staging_gb": setup.staging_gb,
         "warm_gb": setup.warm_gb,

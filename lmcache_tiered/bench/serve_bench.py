@@ -314,12 +314,9 @@ def fill_requests(requests: Sequence[trace.Request]) -> list[trace.Request]:
     """``--restart``'s untimed pass: each distinct prompt of ``requests`` once,
     one after the other (a request at a time leaves LMCache's L1 room for
     what it still has to write to a slow drive), one output token each."""
-    seen: set[tuple[tuple[int, ...], int]] = set()
     out: list[trace.Request] = []
-    for r in requests:
-        if (r.hash_ids, r.input_length) in seen:
-            continue
-        seen.add((r.hash_ids, r.input_length))
+    for index in trace.distinct_prompts(requests):
+        r = requests[index]
         after = len(out) - 1 if out else None
         out.append(trace.Request(0.0, r.input_length, 1, r.hash_ids, after=after))
     return out
@@ -522,7 +519,8 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
     """The bench command that models this server on this workload: the
     calibration (``--json``) as its profile, LMCache's multi-process road
     (``--loading prefetch``), the same slots, step budget and L1, real bytes
-    (vLLM's own KV cache comes with the profile)."""
+    (vLLM's own KV cache comes with the profile), and ``--restart`` if this
+    run restarted its servers over full drives."""
     workload = ["--trace", args.trace] if args.trace else ["--workload", args.workload]
     if args.limit is not None:
         workload += ["--limit", str(args.limit)]
@@ -536,6 +534,7 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
         + ["--concurrency", str(setup.concurrency)]
         + ["--token-budget", str(setup.token_budget), "--hot-gb", f"{setup.l1_gb:g}"]
         + ["--cold", "none", "--policies", "none"]
+        + (["--restart"] if args.restart else [])
     )
 
 

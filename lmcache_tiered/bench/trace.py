@@ -363,6 +363,19 @@ class TokenBlocks:
         return torch.cat(blocks)[: request.input_length]
 
 
+def distinct_prompts(requests: Sequence[Request]) -> list[int]:
+    """Index of the first request of each distinct prompt, in order: what a
+    restarted server's drives hold (``--restart``'s untimed pass)."""
+    seen: set[tuple[tuple[int, ...], int]] = set()
+    first: list[int] = []
+    for index, request in enumerate(requests):
+        prompt = (request.hash_ids, request.input_length)
+        if prompt not in seen:
+            seen.add(prompt)
+            first.append(index)
+    return first
+
+
 def unique_tokens(requests: Iterable[Request]) -> int:
     """Prompt tokens in distinct blocks: roughly what the run will store."""
     lengths: dict[int, int] = {}

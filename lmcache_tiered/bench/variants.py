@@ -59,6 +59,8 @@ from lmcache_tiered.storage.tierfiles import SHARED_FILE_SYSTEM_WARNING
 TWIN_MARK = "#"
 #: Seconds a variant waits for a real store to delete its chunks.
 STORE_CLEANUP_S = 30.0
+#: ``--restart``: seconds one prompt's KV may take to reach the drives.
+FILL_PROMPT_TIMEOUT_S = 600.0
 
 
 class VariantUnavailable(RuntimeError):
@@ -264,6 +266,11 @@ def run_variant(
         if progress is None:
             progress = Progress(label, len(workload.requests))
         try:
+            fill = (
+                None
+                if built is None or not setup.restart
+                else fill_drives(built, workload)
+            )
             started = time.monotonic()
             replay = Replay(
                 setup,
@@ -278,6 +285,8 @@ def run_variant(
             wall = time.monotonic() - started
             result = _result(name, setup, records, backend, wall, replay.lag_max)
             result.backend_metrics["gpu_prefix_cache"] = replay.gpu_cache.metrics()
+            if fill is not None:
+                result.backend_metrics["restart_fill"] = fill
             if built is not None:
                 result.device_overrun = overrun_share(built.devices.values())
                 result.backend_metrics["devices"] = {
@@ -296,6 +305,31 @@ def run_variant(
     finally:
         dirs.remove()
         gc.collect()
+
+
+def fill_drives(built: Built, workload: Workload) -> dict[str, float]:
+    """``--restart``'s untimed pass: each distinct prompt's KV stored once and
+    on the drives before the next is stored (LMCache's CPU tier never holds
+    more than a slow drive has still to take, as serve-bench's fill sends one
+    request at a time), then LMCache's CPU tier emptied: the replay starts as
+    on a server restarted over full drives. The prompts and seconds it took.
+    """
+    began = time.monotonic()
+    prompts = trace.distinct_prompts(workload.requests)
+    for index in prompts:
+        tokens = workload.tokens[index]
+        testing.store_tokens(built.engine, tokens, workload.kv)
+        # LMCache stores whole chunks only (no save_unfull_chunk)
+        whole = tokens[: len(tokens) // CHUNK_TOKENS * CHUNK_TOKENS]
+        testing.wait_for_puts(built.engine, whole, timeout=FILL_PROMPT_TIMEOUT_S)
+    left = testing.clear_cpu_tier(built.engine)
+    if left:
+        raise RuntimeError(
+            f"--restart: {left} chunks stayed in LMCache's CPU tier after the fill"
+        )
+    for device in built.devices.values():
+        device.zero_counts()
+    return {"prompts": len(prompts), "seconds": time.monotonic() - began}
 
 
 def run_variant_apart(

@@ -247,6 +247,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as it is, which counts F times faster than it is unless --kv-scale 1",
     )
     tiers.add_argument(
+        "--restart",
+        action="store_true",
+        help="start each variant with LMCache as after a restart over full "
+        "drives: store every distinct prompt once, untimed, wait until it is on "
+        "the drives, then empty LMCache's CPU tier (the model of serve-bench "
+        "--restart; with --workload random-cpu most requests then load from the "
+        "drives)",
+    )
+    tiers.add_argument(
         "--io-engine",
         choices=["auto", "uring", "threads"],
         default="auto",
