@@ -347,10 +347,11 @@ def test_a_variants_process_stops_and_cleans_up_when_the_bench_is_killed(
     """A bench killed with SIGKILL (or SIGTERM) cannot stop its variants'
     processes; each stops itself once its parent is gone, through its
     ``finally`` blocks (here: a marker file), even while its main thread
-    waits on a lock, as the replay's does."""
+    waits on a lock, as the replay's does, and even if it inherited SIGINT
+    ignored (a shell starts a job run with ``&`` so)."""
     script = tmp_path / "bench_parent.py"
     script.write_text(
-        "import multiprocessing, sys, threading, time\n"
+        "import multiprocessing, signal, sys, threading, time\n"
         "def variant(marker):\n"
         "    from lmcache_tiered.bench.variants import stop_with_parent\n"
         "    stop_with_parent()\n"
@@ -360,6 +361,7 @@ def test_a_variants_process_stops_and_cleans_up_when_the_bench_is_killed(
         "    finally:\n"
         "        open(marker, 'w').write('done')\n"
         "if __name__ == '__main__':\n"
+        "    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as for a job run with &\n"
         "    context = multiprocessing.get_context('spawn')\n"
         "    context.Process(target=variant, args=(sys.argv[1],)).start()\n"
         "    time.sleep(120)\n"

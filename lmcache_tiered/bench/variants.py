@@ -352,10 +352,12 @@ def stop_with_parent() -> None:
     the drives and keeping their directories. A thread waits on the parent's
     sentinel (multiprocessing's) and sends this process SIGINT, which wakes
     the main thread wherever it waits; its ``finally`` blocks then remove
-    what it made."""
+    what it made. SIGINT gets Python's handler back first: a bench run in the
+    background (``&`` in a script) hands its processes SIGINT ignored."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def watch() -> None:
         parent.join()
