@@ -319,9 +319,7 @@ def fill_drives(built: Built, workload: Workload) -> dict[str, float]:
     for index in prompts:
         tokens = workload.tokens[index]
         testing.store_tokens(built.engine, tokens, workload.kv)
-        # LMCache stores whole chunks only (no save_unfull_chunk)
-        whole = tokens[: len(tokens) // CHUNK_TOKENS * CHUNK_TOKENS]
-        testing.wait_for_puts(built.engine, whole, timeout=FILL_PROMPT_TIMEOUT_S)
+        testing.wait_for_puts(built.engine, tokens, timeout=FILL_PROMPT_TIMEOUT_S)
     left = testing.clear_cpu_tier(built.engine)
     if left:
         raise RuntimeError(
