@@ -512,6 +512,34 @@ def test_restart_starts_with_every_prompt_on_the_drives_and_none_in_memory(
     assert drive["bench_bytes"] == from_drive * result.chunk_bytes
 
 
+@pytest.mark.parametrize(
+    ("variant", "loading"),
+    [("none", "sync"), ("none", "prefetch"), (variants.LOCAL_DISK, "prefetch")],
+)
+def test_prefetch_reads_the_chunks_vllm_holds_too(
+    tmp_path: Path, variant: str, loading: str
+) -> None:
+    """After a restart with no CPU tier, B's first 3 chunks (A's) are in
+    vLLM's prefix cache and on the drive. In-process (``sync``) LMCache loads
+    only B's 2 chunks past them; ``lmcache server`` (``prefetch``) reads all
+    5 its lookup found, as its prefetch does, and still only 2 go into the
+    KV cache."""
+    args = bench_args(
+        tmp_path,
+        session_trace(tmp_path),
+        *("--restart", "--hot-gb", "0", "--gpu-kv-gb", "80", "--loading", loading),
+    )
+    result = run(args, variant)
+    a, b, c = result.records
+    assert a.served == {"warm": 3} and c.served == {"warm": 1}
+    assert b.served == {"gpu": 3, "warm": 2}
+    drive = result.backend_metrics["devices"][
+        "disk" if variant == variants.LOCAL_DISK else "warm"
+    ]
+    read = 3 + (5 if loading == "prefetch" else 2) + 1
+    assert drive["bench_bytes"] == read * result.chunk_bytes
+
+
 def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     """A closed-loop turn arrives its think time after the previous finished."""
     requests = [

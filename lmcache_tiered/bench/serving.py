@@ -57,6 +57,12 @@ def send_arrival_hint(hints: HintForwarder | None, tokens: torch.Tensor) -> None
         hints.submit(tokens.tolist())
 
 
+def _whole_chunks(tokens: int) -> int:
+    """``tokens`` rounded down to LMCache's chunks (a masked load or store
+    skips only whole chunks)."""
+    return tokens // CHUNK_TOKENS * CHUNK_TOKENS
+
+
 @dataclass(slots=True)
 class CopyTime:
     """Seconds of GPU copies: as this machine took them, and as the modelled
@@ -373,14 +379,23 @@ class Replay:
         self.prefilling.extend(admitted)
 
     def _prefetch(self, live: _Live) -> None:
-        """Load a request's hits off the engine loop (LMCache's multi-process
-        prefetch and its copy into the KV cache, which the modelled link
-        times), then queue it for a slot."""
+        """Load a request's hits off the engine loop, then queue it for a slot.
+
+        LMCache's multi-process server prefetches every chunk its lookup
+        found into its CPU tier, those vLLM's own prefix cache holds
+        included; vLLM then copies only the chunks past its own share into
+        the KV cache, which the modelled link times. Here the GPU's share is
+        read first, its copy a stand-in for the server's read into memory
+        (its time is not the link's), then :meth:`_retrieve` loads the rest."""
         try:
             assert self.copies is not None
+            with self.copies.off_loop() as staged:
+                self._read_gpu_share(live)
             with self.copies.off_loop() as copied:
                 self._retrieve(live)
-            time.sleep(max(0.0, copied.modelled_s - copied.measured_s))
+            time.sleep(
+                max(0.0, copied.modelled_s - copied.measured_s - staged.measured_s)
+            )
         except BaseException as exc:
             self._fail(exc)
             return
@@ -428,6 +443,18 @@ class Replay:
         cache = None if self.backend is None else self.backend.cache
         return (cache and cache.where(key)) or "warm"
 
+    def _read_gpu_share(self, live: _Live) -> None:
+        """Read the whole chunks of the hit prefix that vLLM's prefix cache
+        holds (LMCache's lookup pins stay for :meth:`_retrieve`)."""
+        assert self.engine is not None
+        gpu_share = min(_whole_chunks(live.gpu_cached), self._hit_tokens(live))
+        if gpu_share:
+            self.engine.retrieve(
+                self.workload.tokens[live.index][:gpu_share],
+                kvcaches=self.workload.kv,
+                req_id=self._lookup_id(live),
+            )
+
     def _retrieve(self, live: _Live) -> None:
         """Load the hit prefix past what the GPU holds (the worker's blocking
         load; vLLM's connector masks the GPU's share, chunk-aligned), then
@@ -435,7 +462,7 @@ class Replay:
         assert self.engine is not None
         tokens = self.workload.tokens[live.index]
         hit_tokens = self._hit_tokens(live)
-        skip = live.gpu_cached // CHUNK_TOKENS * CHUNK_TOKENS
+        skip = _whole_chunks(live.gpu_cached)
         lookup_id = self._lookup_id(live)
         if hit_tokens > live.gpu_cached:
             mask = torch.ones(hit_tokens, dtype=torch.bool)
@@ -485,7 +512,7 @@ class Replay:
         """Store the new KV (what vLLM's LMCache connector saves), first token."""
         self.prefilling.remove(live)
         tokens = self.workload.tokens[live.index]
-        skip = live.cached // CHUNK_TOKENS * CHUNK_TOKENS
+        skip = _whole_chunks(live.cached)
         if self.engine is not None and len(tokens) - skip >= CHUNK_TOKENS:
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[:skip] = False
