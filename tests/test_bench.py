@@ -519,15 +519,17 @@ def test_restart_starts_with_every_prompt_on_the_drives_and_none_in_memory(
 def test_prefetch_reads_the_chunks_vllm_holds_too(
     tmp_path: Path, variant: str, loading: str
 ) -> None:
-    """After a restart with no CPU tier, B's first 3 chunks (A's) are in
-    vLLM's prefix cache and on the drive. In-process (``sync``) LMCache loads
-    only B's 2 chunks past them; ``lmcache server`` (``prefetch``) reads all
-    5 its lookup found, as its prefetch does, and still only 2 go into the
-    KV cache."""
+    """After a restart, B's first 3 chunks (A's) are in vLLM's prefix cache
+    and on the drive. In-process (``sync``) LMCache loads only B's 2 chunks
+    past them. ``lmcache server`` (``prefetch``) reads all 5 its lookup
+    found, as its prefetch does, and from the drive: its default prefetch
+    policy kept none of A's chunks in its CPU tier after A read them (the
+    in-process engine writes them back). Only 2 go into the KV cache."""
     args = bench_args(
         tmp_path,
         session_trace(tmp_path),
-        *("--restart", "--hot-gb", "0", "--gpu-kv-gb", "80", "--loading", loading),
+        *("--restart", "--hot-gb", "0.05", "--gpu-kv-gb", "80"),
+        *("--loading", loading),
     )
     result = run(args, variant)
     a, b, c = result.records

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.bench.baseline import GpuPrefixCache
 from lmcache_tiered.bench.progress import ProgressSink
@@ -31,10 +32,9 @@ from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.cli.bench import LOADING_PREFETCH
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.integration.vllm_plugin import HintForwarder
-from lmcache_tiered.testing import CPUConnector
 
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
-_TIER_OF_LOCATION = {"LocalCPUBackend": "hot", "LocalDiskBackend": "warm"}
+_TIER_OF_LOCATION = {testing.CPU_TIER: "hot", testing.DISK_TIER: "warm"}
 #: Prefetches in flight at once with ``--loading prefetch``: LMCache's
 #: multi-process server's default (``--l2-prefetch-max-in-flight``)
 PREFETCHES_IN_FLIGHT = 8
@@ -85,7 +85,7 @@ class GpuCopies(CopyTime):
         #: this thread's tally of copies made off the engine loop, if any
         self._off_loop = threading.local()
         connector = engine.gpu_connector
-        assert isinstance(connector, CPUConnector)
+        assert isinstance(connector, testing.CPUConnector)
         connector.after_copy = self._copied
 
     @contextlib.contextmanager
@@ -116,6 +116,8 @@ class _Live:
     loaded: float = 0.0
     #: tier of each chunk the lookup found, in prefix order
     hits: list[str] = field(default_factory=list)
+    #: keys of the chunks the lookup found below LMCache's CPU tier
+    below_cpu: list[Any] = field(default_factory=list)
     #: prompt tokens vLLM's GPU prefix cache held
     gpu_cached: int = 0
     #: prompt tokens LMCache loaded (past the GPU's share, chunk-aligned)
@@ -386,13 +388,16 @@ class Replay:
         included; vLLM then copies only the chunks past its own share into
         the KV cache, which the modelled link times. Here the GPU's share is
         read first, its copy a stand-in for the server's read into memory
-        (its time is not the link's), then :meth:`_retrieve` loads the rest."""
+        (its time is not the link's), then :meth:`_retrieve` loads the rest.
+        The server's default prefetch policy keeps nothing it loaded from L2
+        in its CPU tier once read: neither does this."""
         try:
-            assert self.copies is not None
+            assert self.copies is not None and self.engine is not None
             with self.copies.off_loop() as staged:
                 self._read_gpu_share(live)
             with self.copies.off_loop() as copied:
                 self._retrieve(live)
+            testing.drop_from_cpu_tier(self.engine, live.below_cpu)
             time.sleep(
                 max(0.0, copied.modelled_s - copied.measured_s - staged.measured_s)
             )
@@ -430,6 +435,8 @@ class Replay:
         )
         tiers: list[str] = []
         for location, keys in self.engine.lookup_pins.get(lookup_id, {}).items():
+            if location != testing.CPU_TIER:
+                live.below_cpu.extend(keys)
             if location in _TIER_OF_LOCATION:
                 tiers.extend([_TIER_OF_LOCATION[location]] * len(keys))
             else:

@@ -237,6 +237,18 @@ def clear_cpu_tier(engine: LMCacheEngine) -> int:
     return len(cpu.get_keys())
 
 
+def drop_from_cpu_tier(engine: LMCacheEngine, keys: Sequence[CacheEngineKey]) -> int:
+    """Drop ``keys`` from the CPU tier (those it holds); returns how many.
+
+    A forced ``LocalCPUBackend.remove``, which also releases lookup pins the
+    objects still hold.
+    """
+    cpu = get_local_cpu_backend(engine)
+    if cpu is None or not keys:
+        return 0
+    return cpu.batched_remove(list(keys))
+
+
 def _lookup_server(engine: LMCacheEngine) -> RecordingLookupServer:
     server = get_storage_manager(engine).async_lookup_server
     if not isinstance(server, RecordingLookupServer):
