@@ -542,6 +542,62 @@ def test_prefetch_reads_the_chunks_vllm_holds_too(
     assert drive["bench_bytes"] == read * result.chunk_bytes
 
 
+@pytest.mark.parametrize("loading", ["sync", "prefetch"])
+def test_lmcache_server_answers_vllm_only_once_its_prefetch_is_done(
+    tmp_path: Path, loading: str
+) -> None:
+    """After a restart, B repeats A's prompt once A is done: vLLM's prefix
+    cache holds all of it. In-process LMCache has nothing to load; ``lmcache
+    server`` still prefetches the 3 chunks its lookup found (from the drive:
+    it kept none of A's in memory) and answers vLLM's lookup only then, so B
+    waits the drive's time for them (1 s at 0.1 GB/s)."""
+    trace_path = write_trace(
+        tmp_path / "repeat.jsonl",
+        [mooncake(0, 3 * CHUNK + 100, [7, 8]), mooncake(3000, 3 * CHUNK + 100, [7, 8])],
+    )
+    args = bench_args(
+        tmp_path,
+        trace_path,
+        *("--restart", "--hot-gb", "0.05", "--gpu-kv-gb", "80"),
+        *("--warm-drive", "0.1,0", "--loading", loading),
+    )
+    _, b = run(args, "none").records
+    assert b.served == {"gpu": 3}
+    if loading == "prefetch":
+        assert b.loaded - b.scheduled >= 0.9
+    else:
+        assert b.loaded - b.scheduled < 0.1
+
+
+@pytest.mark.parametrize("loading", ["sync", "prefetch"])
+def test_lmcache_server_prefetches_while_the_request_waits_for_a_slot(
+    tmp_path: Path, loading: str
+) -> None:
+    """One slot, held by A's long decode; B arrives meanwhile with 3 chunks
+    on a drive of 0.1 GB/s (1 s). ``lmcache server`` is asked at B's
+    arrival (vLLM's connector looks up each new request) and reads them
+    while B waits for the slot; in-process LMCache loads them only once B
+    is scheduled."""
+    trace_path = write_trace(
+        tmp_path / "queued.jsonl",
+        # A: no whole chunk, so nothing to load: it takes the slot at once
+        [mooncake(0, 200, [20], out=400), mooncake(100, 3 * CHUNK + 100, [7, 8])],
+    )
+    args = bench_args(
+        tmp_path,
+        trace_path,
+        *("--restart", "--hot-gb", "0.05", "--concurrency", "1"),
+        *("--warm-drive", "0.1,0", "--loading", loading),
+    )
+    a, b = run(args, "none").records
+    assert a.finished > b.arrival + 1.5  # the slot frees after B's read could end
+    assert b.served == {"warm": 3}
+    if loading == "prefetch":
+        assert b.first_token - a.finished < 0.5
+    else:
+        assert b.first_token - a.finished >= 0.9
+
+
 def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     """A closed-loop turn arrives its think time after the previous finished."""
     requests = [

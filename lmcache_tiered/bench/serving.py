@@ -100,10 +100,14 @@ class GpuCopies(CopyTime):
         finally:
             self._off_loop.tally = None
 
+    def link_s(self, tokens: int) -> float:
+        """Seconds the modelled link takes for ``tokens``' production KV."""
+        return tokens * self.bytes_per_token / self.link_bytes_per_s
+
     def _copied(self, seconds: float, tokens: int) -> None:
         tally: CopyTime = getattr(self._off_loop, "tally", None) or self
         tally.measured_s += seconds
-        tally.modelled_s += tokens * self.bytes_per_token / self.link_bytes_per_s
+        tally.modelled_s += self.link_s(tokens)
 
 
 @dataclass(slots=True)
@@ -176,7 +180,10 @@ class Replay:
         ]
         heapq.heapify(self.pending)
         self.waiting: deque[_Live] = deque()
-        #: prefetched requests (``--loading prefetch``), loaded, for a slot
+        #: ``--loading prefetch``: requests whose prefetch is done, to be
+        #: scheduled (vLLM's GPU share taken, the load started) in order
+        self.prefetched: deque[_Live] = deque()
+        #: ``--loading prefetch``: requests loaded into the KV cache, for a slot
         self.ready: deque[_Live] = deque()
         self.prefilling: list[_Live] = []
         self.decoding: list[_Live] = []
@@ -309,7 +316,7 @@ class Replay:
             self._release_due()
             return
         with self.cond:
-            while not self.waiting and not self.ready and not self.done():
+            while not self._to_admit() and not self.done():
                 self.cond.wait()
         self.gpu = max(self.gpu, self.now())
 
@@ -346,34 +353,57 @@ class Replay:
             self.gpu_cache.hold(live.index, self.requests[live.index], live.computed)
         self.prefilling.extend(admitted)
 
+    def _to_admit(self) -> bool:
+        """Whether a request waits for the engine loop (call under the lock)."""
+        return bool(self.waiting or self.prefetched or self.ready)
+
     def _admit_prefetched(self, free: int) -> None:
-        """``--loading prefetch``: the loaded requests take the free slots
-        first; then, while slots are free, each waiting request is looked up,
-        and one with hits to load is prefetched off the loop and waits without
-        a slot (vLLM skips a request whose KV is still loading), the others
-        take a slot at once."""
+        """``--loading prefetch``, ``lmcache server``'s road (see
+        :meth:`_prefetch`): each arrival is looked up at once, and one with
+        hits is prefetched off the loop before vLLM may schedule it. Then, in
+        order, a request takes vLLM's GPU share; one with chunks past it
+        waits, without a slot (vLLM skips a request whose KV is loading), for
+        their copy over the modelled link; the others, and the loaded ones
+        first, take the free slots."""
+        with self.cond:
+            arrived = list(self.waiting)
+            self.waiting.clear()
+        for live in arrived:
+            self.gpu = max(self.gpu, live.arrival)
+            with self._real_work():
+                live.scheduled = self.gpu
+                live.hits = self._lookup(live)
+            if live.hits:
+                assert self.prefetching is not None
+                self.prefetching.submit(self._prefetch, live)
+            else:
+                self._unpin(live)
+                self.prefetched.append(live)
         with self.cond:
             admitted = [self.ready.popleft() for _ in range(min(free, len(self.ready)))]
         free -= len(admitted)
         while free > 0:
             with self.cond:
-                if not self.waiting:
+                if not self.prefetched:
                     break
-                live = self.waiting.popleft()
+                live = self.prefetched.popleft()
             self.gpu = max(self.gpu, live.arrival)
             self._take_gpu_share(live)
-            with self._real_work():
-                live.scheduled = self.gpu
-                live.hits = self._lookup(live)
-            if self._hit_tokens(live) > live.gpu_cached:
-                assert self.prefetching is not None
+            skip = _whole_chunks(live.gpu_cached)
+            hit_tokens = self._hit_tokens(live)
+            if hit_tokens > live.gpu_cached:
                 # vLLM allocates the blocks a load will fill when it starts it
                 request = self.requests[live.index]
-                self.gpu_cache.hold(live.index, request, self._hit_tokens(live))
-                self.prefetching.submit(self._prefetch, live)
+                self.gpu_cache.hold(live.index, request, hit_tokens)
+                live.loaded_tokens = hit_tokens - skip
+                live.cached = live.computed = hit_tokens
+                assert self.copies is not None
+                copy = threading.Timer(
+                    self.copies.link_s(live.loaded_tokens), self._loaded, (live,)
+                )
+                copy.daemon = True
+                copy.start()
                 continue
-            with self._real_work():
-                self._retrieve(live)  # nothing to load: unpins
             admitted.append(live)
             free -= 1
         for live in admitted:
@@ -381,29 +411,37 @@ class Replay:
         self.prefilling.extend(admitted)
 
     def _prefetch(self, live: _Live) -> None:
-        """Load a request's hits off the engine loop, then queue it for a slot.
+        """Read every chunk a request's lookup found, off the engine loop.
 
-        LMCache's multi-process server prefetches every chunk its lookup
-        found into its CPU tier, those vLLM's own prefix cache holds
-        included; vLLM then copies only the chunks past its own share into
-        the KV cache, which the modelled link times. Here the GPU's share is
-        read first, its copy a stand-in for the server's read into memory
-        (its time is not the link's), then :meth:`_retrieve` loads the rest.
-        The server's default prefetch policy keeps nothing it loaded from L2
-        in its CPU tier once read: neither does this."""
+        LMCache's multi-process server prefetches all of them into its CPU
+        tier, those vLLM's own prefix cache holds included, and answers
+        vLLM's lookup only when that is done; its default prefetch policy
+        keeps nothing it loaded from L2 in its CPU tier once read. Here they
+        are read at once into the KV buffer (a stand-in for the server's
+        memory: the copy to the KV cache is timed at the link's rate when
+        vLLM schedules the request) and dropped from the CPU tier."""
         try:
-            assert self.copies is not None and self.engine is not None
-            with self.copies.off_loop() as staged:
-                self._read_gpu_share(live)
-            with self.copies.off_loop() as copied:
-                self._retrieve(live)
-            testing.drop_from_cpu_tier(self.engine, live.below_cpu)
-            time.sleep(
-                max(0.0, copied.modelled_s - copied.measured_s - staged.measured_s)
+            assert self.engine is not None
+            hit_tokens = self._hit_tokens(live)
+            loaded = self.engine.retrieve(
+                self.workload.tokens[live.index][:hit_tokens],
+                kvcaches=self.workload.kv,
+                req_id=self._lookup_id(live),
             )
+            # a chunk lost since the lookup ends the prefix vLLM is told of
+            whole = int(loaded.to(torch.int64).cumprod(0).sum())
+            del live.hits[math.ceil(whole / CHUNK_TOKENS) :]
+            self._unpin(live)
+            testing.drop_from_cpu_tier(self.engine, live.below_cpu)
         except BaseException as exc:
             self._fail(exc)
             return
+        with self.cond:
+            self.prefetched.append(live)
+            self.cond.notify_all()
+
+    def _loaded(self, live: _Live) -> None:
+        """A request's chunks are in the KV cache: it waits for a slot."""
         with self.cond:
             self.ready.append(live)
             self.cond.notify_all()
@@ -450,18 +488,6 @@ class Replay:
         cache = None if self.backend is None else self.backend.cache
         return (cache and cache.where(key)) or "warm"
 
-    def _read_gpu_share(self, live: _Live) -> None:
-        """Read the whole chunks of the hit prefix that vLLM's prefix cache
-        holds (LMCache's lookup pins stay for :meth:`_retrieve`)."""
-        assert self.engine is not None
-        gpu_share = min(_whole_chunks(live.gpu_cached), self._hit_tokens(live))
-        if gpu_share:
-            self.engine.retrieve(
-                self.workload.tokens[live.index][:gpu_share],
-                kvcaches=self.workload.kv,
-                req_id=self._lookup_id(live),
-            )
-
     def _retrieve(self, live: _Live) -> None:
         """Load the hit prefix past what the GPU holds (the worker's blocking
         load; vLLM's connector masks the GPU's share, chunk-aligned), then
@@ -485,7 +511,12 @@ class Replay:
                 live.cached = live.computed = max(
                     live.gpu_cached, skip + live.loaded_tokens
                 )
-        self.engine.lookup_unpin(lookup_id)
+        self._unpin(live)
+
+    def _unpin(self, live: _Live) -> None:
+        """Drop the pins of ``live``'s lookup."""
+        assert self.engine is not None
+        self.engine.lookup_unpin(self._lookup_id(live))
 
     # ----------------------------------------------------------------- steps
 
@@ -534,20 +565,24 @@ class Replay:
 
     def _decode_steps(self) -> None:
         """Decode steps up to the next finish, or until an arrival can be
-        admitted (at the end of the step in progress)."""
+        admitted, or with prefetching looked up (at the end of the step in
+        progress)."""
         dt = self.setup.profile.decode_step_s(len(self.decoding), self._context())
         steps = min(live.output_left for live in self.decoding)
         began = self.gpu
-        if len(self.decoding) >= self.setup.concurrency:
+        slot_free = len(self.decoding) < self.setup.concurrency
+        if not slot_free and self.prefetching is None:
             pass  # no slot for an arrival: decode up to the next finish
         elif self.virtual:
             arrival = self._next_arrival()
             if arrival < began + steps * dt:
                 steps = max(1, math.ceil((arrival - began) / dt))
         else:
+            # with prefetching, an arrival is looked up even with no slot free
+            wake = self._to_admit if slot_free else lambda: bool(self.waiting)
             with self.cond:
                 self.cond.wait_for(
-                    lambda: bool(self.waiting or self.ready) or self.done(),
+                    lambda: wake() or self.done(),
                     timeout=began + steps * dt - self.now(),
                 )
             steps = min(steps, max(1, math.ceil((self.now() - began) / dt)))
