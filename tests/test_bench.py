@@ -540,6 +540,9 @@ def test_prefetch_reads_the_chunks_vllm_holds_too(
     ]
     read = 3 + (5 if loading == "prefetch" else 2) + 1
     assert drive["bench_bytes"] == read * result.chunk_bytes
+    # the report counts them too, for the stock backend from the records
+    assert report.summarize(result)["bytes_read"]["warm"] == drive["bench_bytes"]
+    assert b.read == ({"warm": 5} if loading == "prefetch" else {"warm": 2})
 
 
 @pytest.mark.parametrize("loading", ["sync", "prefetch"])

@@ -222,7 +222,9 @@ def test_calibrate_prints_the_bench_command_that_models_this_server(
     model = scenario.make_setup(bench, requests)
     assert model.profile.gpu_kv_tokens == 32768  # vLLM's own cache, from the file
     assert model.loading == "prefetch" and model.shape.kv_scale == 1
-    assert (model.concurrency, model.token_budget, model.hot_gb) == (4, 1024, 1.25)
+    assert (model.concurrency, model.token_budget) == (4, 1024)
+    # the L1 of 1.25 GiB runs between 80 % (eviction) and 64 % (after it) full
+    assert model.hot_gb == pytest.approx(1.25 * 0.72, abs=0.005)
     assert model.cold_paths == () and bench.policies == "none"
     assert not model.restart
     # a --restart run's model restarts too

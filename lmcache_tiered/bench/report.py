@@ -19,7 +19,7 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
   served from that tier (gpu: vLLM's GPU prefix cache; the rest were
   computed); ``lookup_hit_rate``: share the
   lookups found (more than served when reads fail).
-- ``bytes_read.{hot,warm,cold}``: hot = bytes of chunks served from LMCache's
+- ``bytes_read.{hot,warm,cold}``: hot = bytes of chunks LMCache read from its
   CPU tier; warm/cold = everything the plugin's tier read (demand reads,
   warm-up, copies between tiers), or the stock disk backend's demand reads.
 - ``warmup_precision``/``warmup_timeliness``: share of bytes promoted to hot
@@ -84,6 +84,9 @@ class RequestRecord:
     found: dict[str, int] = field(default_factory=dict)
     #: of those, the chunks then loaded (a read can fail, e.g. for memory)
     served: dict[str, int] = field(default_factory=dict)
+    #: chunks LMCache read per tier (``lmcache server`` reads the GPU's share
+    #: too: more than served)
+    read: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -92,7 +95,7 @@ class RunResult:
 
     name: str
     records: list[RequestRecord]
-    #: chunk bytes of one full chunk (to turn served chunks into bytes)
+    #: chunk bytes of one full chunk (to turn chunks read into bytes)
     chunk_bytes: int
     #: bytes read per lower tier as the tiers count them; None: count chunks
     tier_bytes_read: dict[str, int] | None
@@ -130,7 +133,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
     chunks = sum(r.prompt_chunks for r in records) or 1
     served = {t: sum(r.served.get(t, 0) for r in records) for t in TIERS}
     found = sum(sum(r.found.values()) for r in records)
-    bytes_read = {t: served[t] * result.chunk_bytes for t in READ_TIERS}
+    read = {t: sum(r.read.get(t, 0) for r in records) for t in READ_TIERS}
+    bytes_read = {t: read[t] * result.chunk_bytes for t in READ_TIERS}
     if result.tier_bytes_read is not None:
         bytes_read.update(result.tier_bytes_read)
     return {

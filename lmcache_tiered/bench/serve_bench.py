@@ -518,9 +518,10 @@ def _runnable(names: list[str], asked: str) -> list[str]:
 def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
     """The bench command that models this server on this workload: the
     calibration (``--json``) as its profile, LMCache's multi-process road
-    (``--loading prefetch``), the same slots, step budget and L1, real bytes
-    (vLLM's own KV cache comes with the profile), and ``--restart`` if this
-    run restarted its servers over full drives."""
+    (``--loading prefetch``), the same slots and step budget, a CPU tier of
+    what its L1 holds (:func:`servers.l1_held_gb`), real bytes (vLLM's own
+    KV cache comes with the profile), and ``--restart`` if this run
+    restarted its servers over full drives."""
     workload = ["--trace", args.trace] if args.trace else ["--workload", args.workload]
     if args.limit is not None:
         workload += ["--limit", str(args.limit)]
@@ -532,7 +533,8 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
         ["lmcache-tiered", "bench", *workload, "--profile", args.json]
         + ["--loading", "prefetch", "--kv-scale", "1"]
         + ["--concurrency", str(setup.concurrency)]
-        + ["--token-budget", str(setup.token_budget), "--hot-gb", f"{setup.l1_gb:g}"]
+        + ["--token-budget", str(setup.token_budget)]
+        + ["--hot-gb", f"{servers.l1_held_gb(setup.l1_gb):.3g}"]
         + ["--cold", "none", "--policies", "none"]
         + (["--restart"] if args.restart else [])
     )

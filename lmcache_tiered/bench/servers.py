@@ -177,6 +177,20 @@ def vllm_env(kv_cache_gb: float) -> dict[str, str]:
     }
 
 
+#: ``lmcache server``'s L1 eviction (LMCache's defaults, given explicitly):
+#: at this share of L1 in use, evict this share of what is allocated
+L1_EVICTION_WATERMARK = 0.8
+L1_EVICTION_RATIO = 0.2
+
+
+def l1_held_gb(l1_gb: float) -> float:
+    """What an L1 of ``l1_gb`` holds on average once full: its use runs
+    between the watermark and what one eviction leaves, and an in-process
+    CPU tier that models it holds that much (it evicts only when full)."""
+    low = L1_EVICTION_WATERMARK * (1 - L1_EVICTION_RATIO)
+    return l1_gb * (L1_EVICTION_WATERMARK + low) / 2
+
+
 def lmcache_server_command(
     port: int,
     http_port: int,
@@ -191,6 +205,8 @@ def lmcache_server_command(
         lmcache, "server", "--host", "127.0.0.1", "--port", str(port),
         "--chunk-size", str(chunk_tokens),
         "--l1-size-gb", f"{l1_gb:g}", "--eviction-policy", "LRU",
+        "--eviction-trigger-watermark", f"{L1_EVICTION_WATERMARK:g}",
+        "--eviction-ratio", f"{L1_EVICTION_RATIO:g}",
         "--supported-transfer-mode", "auto",
         "--http-port", str(http_port), "--prometheus-port", str(free_port()),
         "--l2-adapter", json.dumps(dict(l2_adapter)),

@@ -625,6 +625,8 @@ class Replay:
         on_gpu = live.gpu_cached // CHUNK_TOKENS
         loaded = on_gpu + math.ceil(live.loaded_tokens / CHUNK_TOKENS)
         gpu = {"gpu": on_gpu} if on_gpu else {}
+        # the prefetch read every chunk found (see _prefetch)
+        read = live.hits if self.prefetching is not None else live.hits[on_gpu:loaded]
         self.records[live.index] = RequestRecord(
             arrival=live.arrival,
             scheduled=live.scheduled,
@@ -636,6 +638,7 @@ class Replay:
             prompt_chunks=math.ceil(request.input_length / CHUNK_TOKENS),
             found=gpu | dict(Counter(live.hits[on_gpu:])),
             served=gpu | dict(Counter(live.hits[on_gpu:loaded])),
+            read=dict(Counter(read)),
         )
         with self.cond:
             for index in self.followers.get(live.index, ()):

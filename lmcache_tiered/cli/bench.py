@@ -10,9 +10,11 @@ LMCache's synchronous loading, its in-process default (``--loading sync``):
   slots free it takes requests from the queue, runs LMCache's lookup for each
   (pinning the hits, as the scheduler does), then retrieves the hits (as the
   worker does at the start of the step, blocking it); with ``--loading
-  prefetch`` (``lmcache server``'s road, which serve-bench times) a request
-  with hits to load is prefetched off the loop instead, and takes a slot once
-  loaded;
+  prefetch`` (``lmcache server``'s road, which serve-bench times) each
+  request is looked up as it arrives, every chunk found is prefetched off the
+  loop (vLLM's own share too, as the server does), and the request is
+  scheduled once that is done, taking a slot once the chunks past vLLM's
+  share are copied in;
 - each step computes up to ``--token-budget`` prompt tokens (chunked prefill)
   and one token for every decoding request, for the profile's modelled time,
   slept, so background I/O (writes, demotion, warm-up) overlaps it as on a
@@ -123,8 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"how LMCache's hits reach the engine: {LOADING_SYNC}, in the engine "
         "loop, blocking the step (vLLM's LMCacheConnectorV1, in-process); "
         f"{LOADING_PREFETCH}, off it (lmcache server and vLLM's "
-        "LMCacheMPConnector: a request waits for its loads and the copies into "
-        "the KV cache without a slot, the others go on; what serve-bench runs) "
+        "LMCacheMPConnector: a request waits for the prefetch of every chunk "
+        "found and the copies into the KV cache without a slot, the others go "
+        "on; what serve-bench runs) "
         f"(default: {LOADING_SYNC})",
     )
     model.add_argument(
