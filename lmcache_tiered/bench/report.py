@@ -21,7 +21,8 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
   lookups found (more than served when reads fail).
 - ``bytes_read.{hot,warm,cold}``: hot = bytes of chunks LMCache read from its
   CPU tier; warm/cold = everything the plugin's tier read (demand reads,
-  warm-up, copies between tiers), or the stock disk backend's demand reads.
+  warm-up, copies between tiers), or the stock disk backend's reads (with
+  ``--loading prefetch``, those of vLLM's own share too).
 - ``warmup_precision``/``warmup_timeliness``: share of bytes promoted to hot
   that a request then used; share of demand reads of promoted chunks that
   found them already promoted. Null where there was no warm-up.

@@ -4,8 +4,9 @@ prefill and decode steps on a GPU clock), as the bench's help describes it
 (the help text of :mod:`lmcache_tiered.cli.bench`).
 
 May touch: the engine through LMCache's calls (lookup with pins, retrieve,
-store, unpin), its GPU connector's copies (timed), the backend's hint
-endpoint and ``cache.where``; no tier's files, no configuration.
+store, unpin, removal from its CPU tier), its GPU connector's copies (timed),
+the backend's hint endpoint and ``cache.where``; no tier's files, no
+configuration.
 """
 
 from __future__ import annotations
