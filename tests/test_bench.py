@@ -307,10 +307,15 @@ def test_served_chunks_per_tier(tmp_path: Path, variant: str, hot_gb: str) -> No
             assert result.backend_metrics["tiers"]["warm"]["hits"] == 3
 
 
-@pytest.mark.parametrize(
-    ("variant", "loading"),
-    [("none", "sync"), ("none", "prefetch"), (variants.LOCAL_DISK, "prefetch")],
-)
+#: the in-process road, and lmcache server's with our plugin and the stock disk
+LOADING_ROADS = [
+    ("none", "sync"),
+    ("none", "prefetch"),
+    (variants.LOCAL_DISK, "prefetch"),
+]
+
+
+@pytest.mark.parametrize(("variant", "loading"), LOADING_ROADS)
 def test_prefetched_loads_leave_the_engine_loop_to_other_requests(
     tmp_path: Path, variant: str, loading: str
 ) -> None:
@@ -512,10 +517,7 @@ def test_restart_starts_with_every_prompt_on_the_drives_and_none_in_memory(
     assert drive["bench_bytes"] == from_drive * result.chunk_bytes
 
 
-@pytest.mark.parametrize(
-    ("variant", "loading"),
-    [("none", "sync"), ("none", "prefetch"), (variants.LOCAL_DISK, "prefetch")],
-)
+@pytest.mark.parametrize(("variant", "loading"), LOADING_ROADS)
 def test_prefetch_reads_the_chunks_vllm_holds_too(
     tmp_path: Path, variant: str, loading: str
 ) -> None:
