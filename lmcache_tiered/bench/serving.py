@@ -420,15 +420,17 @@ class Replay:
         keeps nothing it loaded from L2 in its CPU tier once read. Here they
         are read at once into the KV buffer (a stand-in for the server's
         memory: the copy to the KV cache is timed at the link's rate when
-        vLLM schedules the request) and dropped from the CPU tier."""
+        vLLM schedules the request) and dropped from the CPU tier. That
+        copy is off the loop: not charged to the GPU clock."""
         try:
-            assert self.engine is not None
+            assert self.engine is not None and self.copies is not None
             hit_tokens = self._hit_tokens(live)
-            loaded = self.engine.retrieve(
-                self.workload.tokens[live.index][:hit_tokens],
-                kvcaches=self.workload.kv,
-                req_id=self._lookup_id(live),
-            )
+            with self.copies.off_loop():
+                loaded = self.engine.retrieve(
+                    self.workload.tokens[live.index][:hit_tokens],
+                    kvcaches=self.workload.kv,
+                    req_id=self._lookup_id(live),
+                )
             # a chunk lost since the lookup ends the prefix vLLM is told of
             whole = int(loaded.to(torch.int64).cumprod(0).sum())
             del live.hits[math.ceil(whole / CHUNK_TOKENS) :]
