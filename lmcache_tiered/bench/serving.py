@@ -390,26 +390,28 @@ class Replay:
                 live = self.prefetched.popleft()
             self.gpu = max(self.gpu, live.arrival)
             self._take_gpu_share(live)
-            skip = _whole_chunks(live.gpu_cached)
-            hit_tokens = self._hit_tokens(live)
-            if hit_tokens > live.gpu_cached:
-                # vLLM allocates the blocks a load will fill when it starts it
-                request = self.requests[live.index]
-                self.gpu_cache.hold(live.index, request, hit_tokens)
-                live.loaded_tokens = hit_tokens - skip
-                live.cached = live.computed = hit_tokens
-                assert self.copies is not None
-                copy = threading.Timer(
-                    self.copies.link_s(live.loaded_tokens), self._loaded, (live,)
-                )
-                copy.daemon = True
-                copy.start()
+            if self._hit_tokens(live) > live.gpu_cached:
+                self._start_copy(live)
                 continue
             admitted.append(live)
             free -= 1
         for live in admitted:
             live.loaded = self.gpu
         self.prefilling.extend(admitted)
+
+    def _start_copy(self, live: _Live) -> None:
+        """Copy the hit chunks past vLLM's share into the KV cache over the
+        modelled link; then the request waits for a slot. vLLM allocates the
+        blocks a load will fill when it starts it."""
+        hit_tokens = self._hit_tokens(live)
+        self.gpu_cache.hold(live.index, self.requests[live.index], hit_tokens)
+        self._count_loaded(live, hit_tokens - _whole_chunks(live.gpu_cached))
+        assert self.copies is not None
+        copy = threading.Timer(
+            self.copies.link_s(live.loaded_tokens), self._loaded, (live,)
+        )
+        copy.daemon = True
+        copy.start()
 
     def _prefetch(self, live: _Live) -> None:
         """Read every chunk a request's lookup found, off the engine loop.
@@ -509,12 +511,17 @@ class Replay:
                 kvcaches=self.workload.kv,
                 req_id=lookup_id,
             )
-            live.loaded_tokens = int(loaded.sum())
-            if live.loaded_tokens:
-                live.cached = live.computed = max(
-                    live.gpu_cached, skip + live.loaded_tokens
-                )
+            self._count_loaded(live, int(loaded.sum()))
         self._unpin(live)
+
+    def _count_loaded(self, live: _Live, tokens: int) -> None:
+        """``tokens`` loaded past vLLM's share (from its whole chunks on)
+        count as computed."""
+        live.loaded_tokens = tokens
+        if tokens:
+            live.cached = live.computed = max(
+                live.gpu_cached, _whole_chunks(live.gpu_cached) + tokens
+            )
 
     def _unpin(self, live: _Live) -> None:
         """Drop the pins of ``live``'s lookup."""
