@@ -56,6 +56,7 @@ __all__ = [
     "mock_up_broadcast_fn",
     "mock_up_broadcast_object_fn",
     "object_key_to_string",
+    "read_disk_backend_keys_in_turn",
     "seed_l2_usage",
     "watch_first_use",
 ]
@@ -297,6 +298,27 @@ def hook_disk_backend_io(backend: Any, after: Callable[[int, float], None]) -> N
 
     backend.read_file = read_file
     backend.write_file = write_file
+
+
+def read_disk_backend_keys_in_turn(backend: Any) -> None:
+    """Make ``LocalDiskBackend.batched_get_blocking(keys)`` read its keys one
+    after another in the caller's thread (its ``get_blocking`` for each, wrapped
+    on the instance) instead of all at once on its shared read pool.
+
+    That is how LMCache's ``fs`` L2 adapter serves ``lmcache server``: each
+    load task awaits one read before the next (``FSL2Adapter._execute_load``),
+    so concurrent prefetches take turns on the drive and finish together,
+    where the pool would serve them first come, first done. The bench's stock
+    baseline stands for that adapter on the server's road."""
+    get = getattr(backend, "get_blocking", None)
+    batched = getattr(backend, "batched_get_blocking", None)
+    if not callable(get) or not callable(batched):
+        raise _unsupported("LocalDiskBackend.get_blocking/batched_get_blocking")
+
+    def batched_get_blocking(keys: Sequence[Any]) -> list[Any]:
+        return [get(key) for key in keys]
+
+    backend.batched_get_blocking = batched_get_blocking
 
 
 # ------------------------------------------------------ the L2 adapter base

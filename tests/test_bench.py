@@ -603,6 +603,30 @@ def test_lmcache_server_prefetches_while_the_request_waits_for_a_slot(
         assert b.first_token - a.finished >= 0.9
 
 
+def test_stock_prefetches_take_turns_on_the_drive(tmp_path: Path) -> None:
+    """After a restart A and B arrive together, 4 chunks each on the stock
+    backend's drive. On the server's road the stock baseline is LMCache's
+    ``fs`` L2 adapter, each load task one read at a time: A's and B's reads
+    take turns, so A's prefetch ends with B's (7 of B's 8 chunk times), not
+    after its own 4 (first come, first done: half of B's wait)."""
+    trace_path = write_trace(
+        tmp_path / "together.jsonl",
+        [
+            mooncake(0, 4 * CHUNK + 100, [7, 8, 9]),
+            mooncake(0, 4 * CHUNK + 100, [4, 5, 6]),
+        ],
+    )
+    args = bench_args(
+        tmp_path,
+        trace_path,
+        *("--restart", "--hot-gb", "0.05", "--warm-drive", "0.1,0"),
+        *("--loading", "prefetch"),
+    )
+    a, b = sorted(run(args, variants.LOCAL_DISK).records, key=lambda r: r.loaded)
+    assert a.served == b.served == {"warm": 4}
+    assert (a.loaded - a.arrival) / (b.loaded - b.arrival) > 0.75
+
+
 def test_follow_up_turn_waits_for_the_previous_one(tmp_path: Path) -> None:
     """A closed-loop turn arrives its think time after the previous finished."""
     requests = [

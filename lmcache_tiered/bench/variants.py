@@ -29,7 +29,7 @@ from typing import Any
 from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import LMCacheEngine
+from lmcache_tiered._lmcache import LMCacheEngine, read_disk_backend_keys_in_turn
 from lmcache_tiered.bench import trace
 from lmcache_tiered.bench.baseline import (
     ALL_HOT,
@@ -48,6 +48,7 @@ from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
 from lmcache_tiered.cache.tiered_cache import TieredCache
+from lmcache_tiered.cli.bench import LOADING_PREFETCH
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.storage.adapter_tier import AdapterTier
@@ -206,8 +207,11 @@ def build_variant(name: str, setup: Setup, dirs: VariantDirs) -> Built:
         plugin_logger.removeFilter(capture)
     devices: dict[str, Device] = {}
     if policy_of(name) == LOCAL_DISK:
+        stock = testing.get_backends(engine)["LocalDiskBackend"]
+        if setup.loading == LOADING_PREFETCH:
+            # on the server's road it stands for LMCache's fs L2 adapter
+            read_disk_backend_keys_in_turn(stock)
         if (drive := setup.stock_device()) is not None:
-            stock = testing.get_backends(engine)["LocalDiskBackend"]
             devices["disk"] = drive
             model_disk_backend(stock, drive)
         return Built(engine, None, devices)
