@@ -127,7 +127,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{LOADING_PREFETCH}, off it (lmcache server and vLLM's "
         "LMCacheMPConnector: a request waits for the prefetch of every chunk "
         "found and the copies into the KV cache without a slot, the others go "
-        "on; what serve-bench runs) "
+        "on; the stock baseline reads as its fs adapter, one chunk of a "
+        "prefetch at a time; what serve-bench runs) "
         f"(default: {LOADING_SYNC})",
     )
     model.add_argument(
