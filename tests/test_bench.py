@@ -41,7 +41,6 @@ from lmcache_tiered.cli import bench as cli_bench
 from lmcache_tiered.integration.backend import TieredBackend
 
 CHUNK = scenario.CHUNK_TOKENS
-NOT_VALID = ": not valid, not compared: "
 #: 128 KV bytes per token: 32 KiB chunks; no GPU prefix cache unless a test
 #: asks for one (so every reuse goes through LMCache)
 SMALL = ["--profile", "llama-3.1-8b-tp1", "--kv-scale", "1024", "--gpu-kv-gb", "0"]
@@ -700,12 +699,13 @@ def test_default_run_writes_the_picture_and_says_what_it_compared(
     [summary] = [line for line in out.splitlines() if line.startswith("summary: ")]
     assert "cold remote behind 5.23 GB/s + 0.1 ms" in summary
     assert f"against vLLM alone ({NO_EXTERNAL_CACHE})" in summary
-    invalid = {line.split(":")[0] for line in out.splitlines() if NOT_VALID in line}
+    lines = out.splitlines()
+    invalid = {line.split(":")[0] for line in lines if command.NOT_VALID in line}
     if {"none", "hinted"} <= invalid:  # both fell behind their clock (a busy machine)
         assert "Not compared: no tiered variant's run is valid" in summary
     else:  # the best valid one is compared, the others beside
         assert f"{variants.LOCAL_DISK} " in summary and "all_hot_bound " in summary
-    rows = [line.split()[0] for line in out.splitlines() if line[:1].isalpha()]
+    rows = [line.split()[0] for line in lines if line[:1].isalpha()]
     assert {"none", "hinted", variants.LOCAL_DISK, "all_hot_bound"} <= set(rows)
     config = json.loads((tmp_path / "r.json").read_text())["config"]
     assert config["cold_link"] == {"gbps": 5.23, "latency_s": 0.0001}
@@ -977,7 +977,7 @@ def test_several_concurrencies_run_each_and_print_the_seeds_table(
         # valid, the note saying why (its load made the replay lag 6 % of its
         # TTFT p50 in CI; the VM's disk ran slower than the modelled drive here)
         targets = f"{NO_EXTERNAL_CACHE}, concurrency {level}): TTFT p50" in section
-        assert targets or f"none{NOT_VALID}" in section
+        assert targets or f"none{command.NOT_VALID}" in section
     [head] = [i for i, line in enumerate(lines) if line.startswith("seed's table:")]
     assert lines.index("concurrency 2:") < head
     assert "median (lowest..highest) of 2 runs" in lines[head]

@@ -227,6 +227,10 @@ def report_concurrency(
 BASELINES = (NO_EXTERNAL_CACHE, LOCAL_DISK, ALL_HOT)
 
 
+#: What follows a variant's name in the line that says why its run is not valid.
+NOT_VALID = ": not valid, not compared: "
+
+
 def invalid_note(name: str, summary: Mapping[str, Any]) -> str:
     """Why a variant's run is not valid, and what to change."""
     reasons, fixes = [], []
@@ -244,7 +248,4 @@ def invalid_note(name: str, summary: Mapping[str, Any]) -> str:
             "drives (this machine's disk is slower than they are at this F)"
         )
         fixes.append("a larger --kv-scale (fewer bytes) or --warm on a faster disk")
-    return (
-        f"{name}: not valid, not compared: {'; '.join(reasons)}. "
-        f"Rerun with {', or '.join(fixes)}."
-    )
+    return f"{name}{NOT_VALID}{'; '.join(reasons)}. Rerun with {', or '.join(fixes)}."
