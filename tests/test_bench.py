@@ -29,12 +29,12 @@ from lmcache_tiered.bench import (
     presets,
     report,
     scenario,
-    serving,
     trace,
     variants,
 )
 from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE, GpuPrefixCache
 from lmcache_tiered.bench.devices import Device, DeviceSpec, model_tier
+from lmcache_tiered.bench.gpu_copies import GpuCopies
 from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
 from lmcache_tiered.cli import bench as cli_bench
@@ -1180,7 +1180,7 @@ def test_gpu_copies_are_charged_at_the_profile_link(tmp_path: Path) -> None:
         config, num_layers=1, num_kv_heads=1, head_size=setup.shape.head_size
     )
     try:
-        copies = serving.GpuCopies(engine, setup)
+        copies = GpuCopies(engine, setup)
         tokens = torch.arange(2 * CHUNK)
         kv = torch.zeros(1, 2, 2 * CHUNK, 1, setup.shape.head_size).bfloat16()
         engine.store(tokens, kvcaches=kv)

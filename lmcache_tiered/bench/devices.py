@@ -19,7 +19,7 @@ run invalid beyond a small share (:mod:`lmcache_tiered.bench.command`).
 What stays scaled with the bytes, hence cheaper than in production: work of
 this CPU per byte (checksums, memcpy into LMCache's buffers). Copies to and
 from the GPU are modelled apart, at the profile's PCIe rate
-(:class:`lmcache_tiered.bench.serving.GpuCopies`).
+(:class:`lmcache_tiered.bench.gpu_copies.GpuCopies`).
 
 May touch: the ``after_io`` hook of the ``Tier`` instances it is given, the
 read and write calls of a ``LocalDiskBackend`` it is given (through

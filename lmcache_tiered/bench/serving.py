@@ -27,6 +27,7 @@ import torch
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.bench.baseline import GpuPrefixCache
+from lmcache_tiered.bench.gpu_copies import CopyTime, GpuCopies
 from lmcache_tiered.bench.progress import ProgressSink
 from lmcache_tiered.bench.report import RequestRecord
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
@@ -62,53 +63,6 @@ def _whole_chunks(tokens: int) -> int:
     """``tokens`` rounded down to LMCache's chunks (a masked load or store
     skips only whole chunks)."""
     return tokens // CHUNK_TOKENS * CHUNK_TOKENS
-
-
-@dataclass(slots=True)
-class CopyTime:
-    """Seconds of GPU copies: as this machine took them, and as the modelled
-    link would take their production bytes."""
-
-    measured_s: float = 0.0
-    modelled_s: float = 0.0
-
-
-class GpuCopies(CopyTime):
-    """Times the CPU connector's copies (the stand-in for GPU uploads and
-    downloads) and what the KV link (the profile's PCIe, or ``--kv-link``)
-    would take for the production bytes of them, so the GPU clock charges
-    the link, not this machine's memcpy of scaled-down bytes."""
-
-    def __init__(self, engine: LMCacheEngine, setup: Setup) -> None:
-        self.bytes_per_token = setup.profile.kv_bytes_per_token
-        self.link_bytes_per_s = setup.kv_link_bytes_per_s
-        super().__init__()  # the engine loop's copies
-        #: this thread's tally of copies made off the engine loop, if any
-        self._off_loop = threading.local()
-        connector = engine.gpu_connector
-        assert isinstance(connector, testing.CPUConnector)
-        connector.after_copy = self._copied
-
-    @contextlib.contextmanager
-    def off_loop(self) -> Iterator[CopyTime]:
-        """Copies this thread makes inside are not the engine loop's (a
-        prefetch, or the multi-process server's copies): counted in what this
-        yields instead of the loop's totals."""
-        tally = CopyTime()
-        self._off_loop.tally = tally
-        try:
-            yield tally
-        finally:
-            self._off_loop.tally = None
-
-    def link_s(self, tokens: int) -> float:
-        """Seconds the modelled link takes for ``tokens``' production KV."""
-        return tokens * self.bytes_per_token / self.link_bytes_per_s
-
-    def _copied(self, seconds: float, tokens: int) -> None:
-        tally: CopyTime = getattr(self._off_loop, "tally", None) or self
-        tally.measured_s += seconds
-        tally.modelled_s += self.link_s(tokens)
 
 
 @dataclass(slots=True)
