@@ -562,7 +562,9 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
     result = diskbench.run(args)
     assert result["chunks"] == 32 and result["placements"] == 2
     first, second = result["per_placement"]
+    # every contender stores in a rotated order, the multi-process ones too
     assert first["fill_order"][1:] + first["fill_order"][:1] == second["fill_order"]
+    assert set(result["mp"]) <= set(first["fill_order"])
     for key in (
         "device_ceiling_gbps",
         "lmcache_local_disk_read_gbps",

@@ -356,11 +356,19 @@ def run_placement(
             )
         mp_stores = [(c.name, c.dirs, total_bytes * c.copies) for c in mp]
         runs = contenders(paths, work, args, total_bytes, mp_stores)
-        shift = index % len(runs)
-        runs = runs[shift:] + runs[:shift]
-        placement = Placement([c.name for c in runs])
-        for position, contender in enumerate(runs):
+        # Every contender stores in turn, the order rotated each placement,
+        # the multi-process ones too: on drives in a VM's RAM the first
+        # gigabytes written can be ten times faster than the next ones, where
+        # the host must find memory for them (docs/diskbench.md)
+        order: list[Contender | mpbench.MpContender] = [*runs, *mp]
+        shift = index % len(order)
+        order = order[shift:] + order[:shift]
+        placement = Placement([c.name for c in order])
+        for position, contender in enumerate(order):
             progress(f"placement {index + 1}: storing through {contender.name}")
+            if isinstance(contender, mpbench.MpContender):
+                placement.write_gbps[contender.name] = mpbench.fill(contender)
+                continue
             # LMCache's start-up warnings (hash seed, controller) once a run,
             # from the first engine, not again for every engine built
             first = index == 0 and position == 0
@@ -370,12 +378,11 @@ def run_placement(
                 n_requests,
                 logging.WARNING if first else logging.ERROR,
             )
-        for adapter in mp:
-            progress(f"placement {index + 1}: storing through {adapter.name}")
-            placement.write_gbps[adapter.name] = mpbench.fill(adapter)
-            placement.mp[adapter.name] = adapter.describe()
+        placement.mp = {a.name: a.describe() for a in mp}
         if mp:
             placement.mp_unavailable = missing
+        shift = index % len(runs)
+        runs = runs[shift:] + runs[:shift]
         tiered = next(c for c in runs if c.name == "tiered")
         warm = testing.get_backends(tiered.engine)["tiered"].cache.warm
         slabs = warm.slab_paths
