@@ -381,6 +381,7 @@ def run_placement(
         placement.mp = {a.name: a.describe() for a in mp}
         if mp:
             placement.mp_unavailable = missing
+        # and they read in turn each round, in an order rotated the same way
         shift = index % len(runs)
         runs = runs[shift:] + runs[:shift]
         tiered = next(c for c in runs if c.name == "tiered")
