@@ -597,6 +597,9 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
     text = diskbench.table(result | {"in_memory_filesystems": ["tmpfs"]})
     assert "memory (tmpfs: no device) ceiling" in text
     assert "O_DIRECT reaches no device there" in text
+    # a write figure that moved between placements is named under the table
+    text = diskbench.table(result | {"unsteady_writes": {"tiered": [0.25, 2.5]}})
+    assert "note: tiered wrote 0.25 to 2.50 GB/s in different placements" in text
 
 
 def test_diskbench_prints_lmcache_warnings_once_a_run(tmp_path: Path) -> None:

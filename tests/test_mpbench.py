@@ -176,6 +176,26 @@ def test_goals_are_judged_only_on_the_drives_they_are_set_for(tmp_path: Path) ->
     assert "on uncapped: NOT met" in text  # 0.5 x the best: judged, and missed
 
 
+def test_writes_that_moved_between_placements_are_named_and_not_judged() -> None:
+    """Ours wrote 3.6 then 0.6 GB/s (a fresh rig's host memory, not its
+    drives): the write goal is left unjudged and the table says why; a steady
+    writer is not named."""
+    read = {"mp_tiered": [1.6], "mp_fs": [0.4], "mp_fs_x4": [0.4], "tiered": [1.6]}
+    read["mp_rb_by_key"] = [1.6]
+    placements = [
+        placement(read, {"mp_tiered": 3.6, "mp_fs": 0.8}),
+        placement(read, {"mp_tiered": 0.6, "mp_fs": 0.7}),
+    ]
+    unsteady = disk_report.unsteady_writes(placements)
+    assert unsteady == {"mp_tiered": [0.6, 3.6]}
+    result = disk_report.mp_result(placements, capped=True, unsteady=unsteady)
+    write = next(g for g in result["mp_goals"] if g["what"] == "write")
+    assert not write["judged"] and write["unsteady"]
+    assert all(g["judged"] for g in result["mp_goals"][:2])  # the reads still are
+    text = "\n".join(disk_report.mp_lines(result))
+    assert "write vs fs x 1" in text and "writes unsteady between placements" in text
+
+
 def test_a_read_cap_is_found_in_either_cgroup_hierarchy(tmp_path: Path) -> None:
     proc = tmp_path / "cgroup"
     root = tmp_path / "fs"

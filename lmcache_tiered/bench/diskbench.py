@@ -35,6 +35,7 @@ from lmcache_tiered.bench.disk_report import (
     mp_result,
     paired_median,
     table,
+    unsteady_writes,
 )
 from lmcache_tiered.bench.rawio import (
     IN_MEMORY_FILESYSTEMS,
@@ -469,9 +470,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name in placements[0].disk_share
         },
         "per_placement": [asdict(p) for p in placements],
+        "unsteady_writes": unsteady_writes(placements),
     }
     if args.mp:
-        result |= mp_result(placements, reads_capped())
+        result |= mp_result(placements, reads_capped(), result["unsteady_writes"])
     return result
 
 
