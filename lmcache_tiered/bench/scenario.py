@@ -33,7 +33,7 @@ from lmcache_tiered.bench.profiles import (
     get_profile,
 )
 from lmcache_tiered.bench.rawio import IN_MEMORY_FILESYSTEMS, filesystem_type
-from lmcache_tiered.cli.bench import DEFAULT_WARM_DRIVES, LOADING_SYNC
+from lmcache_tiered.cli.bench import DEFAULT_WARM_DRIVES, LOADING_PREFETCH, LOADING_SYNC
 from lmcache_tiered.cli.shared import split_list
 
 #: LMCache's chunk size (tokens per key) in every variant.
@@ -79,6 +79,13 @@ class Setup:
     #: ``--restart``: each variant with an engine starts with every distinct
     #: prompt on its drives and nothing in memory
     restart: bool = False
+
+    @property
+    def prefetch_road(self) -> bool:
+        """Whether hits load as on LMCache's multi-process road
+        (``--loading prefetch``): prefetched off the engine loop, the stock
+        baseline reading as the server's ``fs`` adapter."""
+        return self.loading == LOADING_PREFETCH
 
     def tier_devices(self) -> dict[str, Device]:
         """Fresh modelled devices for the plugin's tiers: one drive per warm

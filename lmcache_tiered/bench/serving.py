@@ -31,7 +31,6 @@ from lmcache_tiered.bench.gpu_copies import CopyTime, GpuCopies
 from lmcache_tiered.bench.progress import ProgressSink
 from lmcache_tiered.bench.report import RequestRecord
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
-from lmcache_tiered.cli.bench import LOADING_PREFETCH
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.integration.vllm_plugin import HintForwarder
 
@@ -150,7 +149,7 @@ class Replay:
         #: prefetches them (see :meth:`_prefetch`)
         self.prefetching = (
             None
-            if engine is None or setup.loading != LOADING_PREFETCH
+            if engine is None or not setup.prefetch_road
             else ThreadPoolExecutor(PREFETCHES_IN_FLIGHT, "bench-prefetch")
         )
         self.gpu_cache = GpuPrefixCache(

@@ -48,7 +48,6 @@ from lmcache_tiered.bench.report import RequestRecord, RunResult
 from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.bench.serving import Replay
 from lmcache_tiered.cache.tiered_cache import TieredCache
-from lmcache_tiered.cli.bench import LOADING_PREFETCH
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.storage.adapter_tier import AdapterTier
@@ -208,7 +207,7 @@ def build_variant(name: str, setup: Setup, dirs: VariantDirs) -> Built:
     devices: dict[str, Device] = {}
     if policy_of(name) == LOCAL_DISK:
         stock = testing.get_backends(engine)["LocalDiskBackend"]
-        if setup.loading == LOADING_PREFETCH:
+        if setup.prefetch_road:
             # on the server's road it stands for LMCache's fs L2 adapter
             read_disk_backend_keys_in_turn(stock)
         if (drive := setup.stock_device()) is not None:
