@@ -15,7 +15,6 @@ import math
 import os
 import re
 import socket
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -590,35 +589,4 @@ def same_directory(paths: Sequence[str]) -> tuple[str, str] | None:
         first = seen.setdefault((info.st_dev, info.st_ino), i)
         if first != i:
             return paths[first], path
-    return None
-
-
-def shared_file_systems(paths: tuple[str, ...]) -> list[str]:
-    """The first two of ``paths`` that lie on one file system (same
-    ``st_dev``), if any: striping over them is not striping over devices."""
-    seen: dict[int, str] = {}
-    for path in paths:
-        try:
-            device = os.stat(path).st_dev
-        except OSError:
-            continue
-        if (first := seen.setdefault(device, path)) != path:
-            return [first, path]
-    return []
-
-
-def exposure_warning(path: str) -> str | None:
-    """Why the directory ``path`` (or the one its symbolic link leads to) is
-    open to other users, if it is: another user could then plant records
-    that this process serves."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    real = os.path.realpath(path)
-    name = path if real == path else f"{path} (-> {real})"
-    if st.st_uid != os.geteuid():
-        return f"{name} is owned by uid {st.st_uid}, not by this process"
-    if st.st_mode & stat.S_IWOTH:
-        return f"{name} is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
     return None

@@ -22,21 +22,18 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered import cli, testing
-from lmcache_tiered.bench import (
-    command,
-    diskbench,
-    plot,
-    presets,
-    report,
-    scenario,
-    trace,
-    variants,
+from lmcache_tiered.bench.common import plot, report, trace
+from lmcache_tiered.bench.common.trace import BLOCK_TOKENS, Request
+from lmcache_tiered.bench.disk import diskbench
+from lmcache_tiered.bench.model import command, presets, scenario, variants
+from lmcache_tiered.bench.model.baseline import (
+    ALL_HOT,
+    NO_EXTERNAL_CACHE,
+    GpuPrefixCache,
 )
-from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE, GpuPrefixCache
-from lmcache_tiered.bench.devices import Device, DeviceSpec, model_tier
-from lmcache_tiered.bench.gpu_copies import GpuCopies
-from lmcache_tiered.bench.profiles import PROFILES, bench_shape, get_profile
-from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request
+from lmcache_tiered.bench.model.devices import Device, DeviceSpec, model_tier
+from lmcache_tiered.bench.model.gpu_copies import GpuCopies
+from lmcache_tiered.bench.model.profiles import PROFILES, bench_shape, get_profile
 from lmcache_tiered.cli import bench as cli_bench
 from lmcache_tiered.integration.backend import TieredBackend
 
@@ -154,7 +151,7 @@ def test_llama_profile_prefills_as_fast_as_the_h200_measured() -> None:
 
 def test_gpu_rates_names_what_it_needs_on_a_machine_without_a_gpu() -> None:
     child = subprocess.run(
-        [sys.executable, "-m", "lmcache_tiered.bench.gpu_rates"],
+        [sys.executable, "-m", "lmcache_tiered.bench.model.gpu_rates"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -358,7 +355,7 @@ def test_a_variants_process_stops_and_cleans_up_when_the_bench_is_killed(
     script.write_text(
         "import multiprocessing, signal, sys, threading, time\n"
         "def variant(marker):\n"
-        "    from lmcache_tiered.bench.variants import stop_with_parent\n"
+        "    from lmcache_tiered.bench.model.variants import stop_with_parent\n"
         "    stop_with_parent()\n"
         "    print('ready', flush=True)\n"
         "    try:\n"

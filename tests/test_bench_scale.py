@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_tiered import cli
-from lmcache_tiered.bench import report, scenario, variants
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.common import report
+from lmcache_tiered.bench.model import scenario, variants
+from lmcache_tiered.bench.model.baseline import NO_EXTERNAL_CACHE
 
 #: Three 1k-token documents read once, then nine times again (each with a
 #: question of its own under one chunk): the rereads, most of the requests,

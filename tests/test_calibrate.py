@@ -14,10 +14,17 @@ import numpy as np
 import pytest
 from test_bench import bench_args, mooncake, run, write_trace
 
-from lmcache_tiered.bench import calibrate, http_replay, scenario, serve_bench, servers
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.profiles import MeasuredProfile, get_profile
-from lmcache_tiered.bench.tiny_model import TinyLlama
+from lmcache_tiered.bench.model import scenario
+from lmcache_tiered.bench.model.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.model.profiles import MeasuredProfile, get_profile
+from lmcache_tiered.bench.serve import (
+    calibrate,
+    http_replay,
+    serve_bench,
+    servers,
+)
+from lmcache_tiered.bench.serve.setup import ServeSetup, kv_cache_tokens
+from lmcache_tiered.bench.serve.tiny_model import TinyLlama
 from lmcache_tiered.cli import main, parse_args
 
 LENGTHS = [512, 1024, 2048, 4096, 6144, 8192]
@@ -52,9 +59,9 @@ def test_decode_fit_is_a_step_and_a_cost_per_context_token() -> None:
     assert step == pytest.approx(0.02) and per_context == pytest.approx(1e-5)
 
 
-def serve_setup(tmp_path: Path) -> serve_bench.ServeSetup:
+def serve_setup(tmp_path: Path) -> ServeSetup:
     """serve-bench's settings for 4 slots of a 1,024-token budget."""
-    return serve_bench.ServeSetup(
+    return ServeSetup(
         model_dir=tmp_path,
         model=TinyLlama(),
         warm=(tmp_path,),
@@ -144,7 +151,7 @@ def test_vllm_cache_size_is_a_block_count_and_whole_gib(tmp_path: Path) -> None:
     )
     at = command.index("--num-gpu-blocks-override")
     assert command[at + 1] == str(16384 // servers.VLLM_BLOCK_TOKENS)
-    assert serve_bench.kv_cache_tokens(0.5, TinyLlama()) == 16384
+    assert kv_cache_tokens(0.5, TinyLlama()) == 16384
 
 
 def test_a_vllm_cache_smaller_than_a_request_is_refused_by_name(

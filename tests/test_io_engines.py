@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import lmcache_tiered.io as io_pkg
-from lmcache_tiered.bench import rawio
+from lmcache_tiered.bench.disk import rawio
 from lmcache_tiered.io import (
     ALIGN,
     IOEngine,
@@ -36,6 +36,7 @@ from lmcache_tiered.io import (
 )
 from lmcache_tiered.io import ring as ring_abi
 from lmcache_tiered.io.uring import UringEngine
+from lmcache_tiered.storage.filesystems import filesystem_type
 
 EngineFactory = Callable[[list[int], int], IOEngine]
 
@@ -540,7 +541,7 @@ def test_diskbench_smoke(tmp_path: Path) -> None:
     """Every column measured over two placements (tiny: a smoke test of the
     machinery, not a speed figure), the multi-process adapter in every round
     beside the in-process backend; the tiered data was read from disk."""
-    from lmcache_tiered.bench import diskbench
+    from lmcache_tiered.bench.disk import diskbench
     from lmcache_tiered.cli import build_parser
 
     args = build_parser().parse_args(
@@ -628,9 +629,9 @@ def test_diskbench_prints_lmcache_warnings_once_a_run(tmp_path: Path) -> None:
 
 
 def test_diskbench_finds_the_in_memory_file_systems(tmp_path: Path) -> None:
-    from lmcache_tiered.bench import diskbench, rawio
+    from lmcache_tiered.bench.disk import diskbench
 
-    if rawio.filesystem_type("/dev/shm") != "tmpfs":
+    if filesystem_type("/dev/shm") != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm on this machine")
     on = argparse.Namespace(paths=f"{tmp_path},/dev/shm", workdir=None)
     assert diskbench.in_memory_filesystems(on) == ["tmpfs"]

@@ -22,7 +22,7 @@ from lmcache.v1.distributed.storage_controllers.store_policy import create_store
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
 
 from lmcache_tiered._lmcache import L2_ADAPTER_MODULES, RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench import disk_report, mpbench, rawio
+from lmcache_tiered.bench.disk import disk_report, mpbench, rawio
 
 HAS_RAW_BLOCK = importlib.util.find_spec(RUST_RAW_BLOCK_EXTENSION) is not None
 

@@ -20,15 +20,16 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from lmcache_tiered.bench import (
+from lmcache_tiered.bench.common.trace import Request, TokenBlocks
+from lmcache_tiered.bench.serve import (
     calibrate,
     http_replay,
     serve_bench,
     serve_report,
     servers,
 )
-from lmcache_tiered.bench.trace import Request, TokenBlocks
 from lmcache_tiered.cli import main
+from lmcache_tiered.testing.ports import free_port
 
 #: the stub's time to its first token and between tokens (seconds)
 FIRST_S, STEP_S = 0.2, 0.02
@@ -340,7 +341,7 @@ def test_a_server_that_exits_at_start_is_named_with_its_last_error(
         "-c",
         "print('RuntimeError: no such model'); print('bye'); raise SystemExit(3)",
     ]
-    url = f"http://127.0.0.1:{servers.free_port()}/health"
+    url = f"http://127.0.0.1:{free_port()}/health"
     with (
         pytest.raises(servers.ServerError, match="exited with 3") as caught,
         servers.running("vLLM (test)", command, url, tmp_path / "log"),

@@ -17,10 +17,10 @@ from conftest import store_chunks, wait_until
 from test_store_tier import CHUNK, EngineFactory, Redis, store_engine
 
 from lmcache_tiered import testing
-from lmcache_tiered.bench.servers import free_port
 from lmcache_tiered.keys import key_digest
 from lmcache_tiered.storage import adapter_tier, store_client
 from lmcache_tiered.storage.adapter_tier import AdapterTier
+from lmcache_tiered.testing.ports import free_port
 
 pytestmark = test_store_tier.pytestmark
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered._lmcache import MixedMemoryAllocator
+from lmcache_tiered.io.base import EngineWrapper, IORequest
 from lmcache_tiered.storage import checks
 from lmcache_tiered.storage.index import Entry
 from lmcache_tiered.storage.layout import RecordHeader
@@ -300,38 +300,47 @@ def test_evict_only_spares_records_not_copied_elsewhere(
     ]
 
 
-def test_after_io_hears_the_bytes_each_operation_moved(
+def test_an_engine_wrapper_hears_the_bytes_each_operation_moved(
     tier_factory: TierFactory, allocator: MixedMemoryAllocator
 ) -> None:
-    """The hook the bench's device models hold the caller in: once per demand
-    read, payload read and payload write, in the caller's thread, after the
-    I/O (a write is visible by then), with the payload bytes moved and the
-    time the call began; misses and keys already stored move none."""
+    """What the bench's device models (and fault injectors) wrap: set through
+    ``Tier.engine``, an :class:`EngineWrapper` sees every batch of real I/O
+    of demand reads, payload reads and payload writes, with the bytes it
+    moved; misses and keys already stored move none. (It replaces the
+    tier's former ``after_io`` hook, which the bench alone used.)"""
     tier = tier_factory()
-    caller = threading.get_ident()
-    heard: list[tuple[int, bool]] = []
+    heard: list[tuple[bool, int]] = []
 
-    def pay(nbytes: int, began: float) -> None:
-        assert threading.get_ident() == caller
-        assert began <= time.monotonic()
-        heard.append((nbytes, tier.header(key(0)) is not None))
-        time.sleep(0.05)
+    class Recording(EngineWrapper):
+        def submit_many(
+            self, batches: Sequence[Sequence[IORequest]], write: bool
+        ) -> list[Future[list[int]]]:
+            futures = self.inner.submit_many(batches, write)
+            moved = sum(n for f in futures for n in f.result() if n > 0)
+            heard.append((write, moved))
+            return futures
 
-    tier.after_io = pay
+    tier.engine = Recording(tier.engine)
+    assert tier.engine.name == tier.engine.inner.name
     chunk = SHAPE.numel() * 2
     obj = make_obj(allocator, 0)
-    started = time.perf_counter()
     assert tier.write([(key(0), obj)]) == [True]
-    assert time.perf_counter() - started >= 0.05  # paid before it returns
+    writes = list(heard)
+    # the payload, then its header: both written, nothing read
+    assert [w for w, _ in writes] == [True, True]
+    assert writes[0][1] >= chunk and sum(n for _, n in writes) > chunk
     assert tier.write([(key(0), obj)]) == [True]  # already stored: no I/O
+    assert heard == writes
     (got,) = tier.read([key(0)], reader(allocator))
     assert got is not None and torch.equal(got.tensor, obj.tensor)
     assert tier.read([key(1)], reader(allocator)) == [None]
     (payload,) = tier.read_payloads([key(0)])
     assert payload is not None
     assert tier.read_payloads([key(0), key(1)])[1] is None
-    assert [n for n, _ in heard] == [chunk, 0, chunk, 0, chunk, chunk]
-    assert all(visible for _, visible in heard)
+    reads = [(w, n) for w, n in heard[len(writes) :] if n]
+    # three reads of key 0; the miss of key 1 moved nothing
+    assert [w for w, _ in reads] == [False] * 3
+    assert all(n >= chunk for _, n in reads)
 
 
 def test_a_failing_check_is_raised_once_every_read_landed(

@@ -30,7 +30,7 @@ The replay runs on the production clock: each real cost (LMCache's Python per
 call, threads, syscalls) is charged once, as production pays it. Only KV
 bytes are scaled down (``--kv-scale F``), and every drive and link is
 modelled at its production rate for F times the bytes really moved
-(:mod:`lmcache_tiered.bench.devices`), so F changes what fits this machine,
+(:mod:`lmcache_tiered.bench.model.devices`), so F changes what fits this machine,
 not the verdict. A variant whose replay fell behind its GPU clock by more
 than 5 % of its TTFT p50, or whose real I/O overran the modelled drives by
 more than 10 % of their time, is reported as not valid and compared with
@@ -52,42 +52,29 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered.bench import presets
-from lmcache_tiered.bench.baseline import ALL_HOT, LOCAL_DISK, NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.profiles import DEFAULT_PROFILE, PROFILES
-from lmcache_tiered.cli.shared import add_workload_arguments, split_list
+from lmcache_tiered.bench.common.args import split_list
+from lmcache_tiered.bench.model import presets
+from lmcache_tiered.bench.model.baseline import ALL_HOT, LOCAL_DISK, NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.model.options import (
+    DEFAULT_COLD_LINK,
+    DEFAULT_JOBS,
+    DEFAULT_PLOT,
+    DEFAULT_POLICIES,
+    DEFAULT_WARM_DRIVE,
+    DEFAULT_WARM_DRIVES,
+    DEFAULT_WORKLOAD,
+    LOADING_PREFETCH,
+    LOADING_SYNC,
+)
+from lmcache_tiered.bench.model.profiles import DEFAULT_PROFILE, PROFILES
+from lmcache_tiered.cli.shared import add_workload_arguments
 from lmcache_tiered.config import SETTINGS, ConfigError
 
 if TYPE_CHECKING:
-    from lmcache_tiered.bench.devices import DeviceSpec
+    from lmcache_tiered.bench.model.devices import DeviceSpec
 
 SUMMARY = "replay a workload through LMCache with each warm-up policy (GPU modelled)"
-RUN = "lmcache_tiered.bench.command:main"
-#: Warm drives (directories) when ``--warm`` names none: the deployment the
-#: plugin is built for stripes over several local NVMe drives.
-DEFAULT_WARM_DRIVES = 4
-#: How the served engine loads LMCache's hits (``--loading``): in the engine
-#: loop, blocking the step (vLLM's LMCacheConnectorV1 in-process, LMCache's
-#: default), or prefetched off it (``lmcache server`` with vLLM's
-#: LMCacheMPConnector, the multi-process road)
-LOADING_SYNC, LOADING_PREFETCH = "sync", "prefetch"
-#: The deployment the plugin is built for, at the seed's rates: warm, four
-#: local NVMe drives of 1.31 GB/s + 0.1 ms (5.23 GB/s striped, the seed's
-#: parallel-read rate; one drive, the stock backend's, near its 0.98 GB/s);
-#: cold, NVMe-oF at the seed's 5.23 GB/s + 0.1 ms a command.
-DEFAULT_WARM_DRIVE = "1.31,0.1"
-#: Variants replayed at once, each in a process of its own: three kept
-#: valid on the 2-core machine the defaults are sized for (docs/bench.md).
-DEFAULT_JOBS = 3
-#: The policies of a run with no options: with the stock backend, one round
-#: of DEFAULT_JOBS.
-DEFAULT_POLICIES = ("none", "hinted")
-#: The built-in workload of a run with no options: its working set is larger
-#: than vLLM's HBM cache and LMCache's CPU tier, as the seed's was.
-DEFAULT_WORKLOAD = "agent"
-DEFAULT_COLD_LINK = "5.23,0.1"
-#: Where the picture goes unless --plot says otherwise.
-DEFAULT_PLOT = "lmcache-tiered-bench.png"
+RUN = "lmcache_tiered.bench.model.command:main"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -293,6 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_PLOT} in the current directory; 'none': no picture)",
     )
     parser.set_defaults(
+        # how a preset's text settings become values (presets.apply)
+        preset_parse=PRESET_PARSE,
         # as given, before their type parsed them: presets.apply compares
         preset_defaults={
             dest: parser.get_default(dest)
@@ -303,7 +292,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _link_arg(text: str) -> DeviceSpec | None:
-    from lmcache_tiered.bench.devices import DeviceSpec  # when parsed, not at --help
+    from lmcache_tiered.bench.model.devices import (
+        DeviceSpec,  # when parsed, not at --help
+    )
 
     if text == "none":
         return None

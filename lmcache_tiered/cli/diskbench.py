@@ -10,8 +10,9 @@ In one run, on the same paths and the same chunks:
    buffers (``tiered.register_cpu_pool: always``), as it is on a GPU host,
    where LMCache pins the pool; a CPU-only host's pool is pageable;
 5. with ``--mp``, the multi-process L2 adapters, through the interface
-   LMCache's ``lmcache server`` drives them by (:mod:`lmcache_tiered.bench.mpbench`),
-   on files of their own, read after the others in every round:
+   LMCache's ``lmcache server`` drives them by
+   (:mod:`lmcache_tiered.bench.disk.mpbench`), on files of their own, read
+   after the others in every round:
    ``TieredL2Adapter`` over every path, and LMCache's own ``fs``,
    ``fs_native`` and ``raw_block`` (when its Rust package is installed) on the
    first path and one per path, as LMCache's store and prefetch policies place
@@ -34,7 +35,7 @@ from __future__ import annotations
 import argparse
 
 SUMMARY = "cold-read GB/s: device ceiling vs LMCache's disk tiers vs TieredBackend"
-RUN = "lmcache_tiered.bench.diskbench:main"
+RUN = "lmcache_tiered.bench.disk.diskbench:main"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import argparse
 
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.serve_report import LMCACHE_STOCK, TIERED, VLLM_OFFLOAD
+from lmcache_tiered.bench.serve.options import (
+    DEFAULT_VARIANTS_TEXT,
+    DEFAULT_WORKLOAD,
+    L1_IN_FLIGHT,
+    VLLM_CPU_SERVER_TOKEN_BUDGET,
+)
 from lmcache_tiered.cli.shared import add_workload_arguments
 
 SUMMARY = "time real servers (vLLM + LMCache) on a workload over HTTP"
-RUN = "lmcache_tiered.bench.serve_bench:run_command"
-DEFAULT_VARIANTS = (NO_EXTERNAL_CACHE, LMCACHE_STOCK, TIERED, VLLM_OFFLOAD)
-DEFAULT_VARIANTS_TEXT = ",".join(DEFAULT_VARIANTS)
-DEFAULT_WORKLOAD = "agent-cpu"
-#: default L1: this many times what the requests in flight hold
-L1_IN_FLIGHT = 1.5
-#: vLLM 0.32's max_num_batched_tokens for its OpenAI server on a CPU platform
-VLLM_CPU_SERVER_TOKEN_BUDGET = 2048
+RUN = "lmcache_tiered.bench.serve.serve_bench:run_command"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,13 +1,13 @@
 """What the subcommands' command lines share: the workload options of
 ``bench`` and ``serve-bench`` (what they mean is
-:func:`lmcache_tiered.bench.scenario.load_requests`), comma lists, and the
+:func:`lmcache_tiered.bench.model.scenario.load_requests`), comma lists, and the
 arguments that name a tier's files (``inspect``, ``fsck``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from lmcache_tiered.bench import trace
+from lmcache_tiered.bench.common import trace
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> None:
@@ -37,11 +37,6 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> Non
     load.add_argument(
         "--seed", type=int, default=0, help="generator and token seed (default: 0)"
     )
-
-
-def split_list(text: str | None) -> list[str]:
-    """A comma-separated option's non-empty parts."""
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser, nargs: str) -> None:

@@ -98,3 +98,33 @@ class IOEngine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class EngineWrapper(IOEngine):
+    """Another engine's I/O, seen or changed on its way: the base of the
+    wrappers set through ``Tier.engine`` (a modelled device's delay, an
+    injected fault). Everything not overridden goes to ``inner`` unchanged."""
+
+    def __init__(self, inner: IOEngine) -> None:
+        super().__init__(inner.fds, inner.queue_depth)
+        self.inner = inner
+        self.supports_fixed_buffers = inner.supports_fixed_buffers
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """The inner engine's, as it is now (a provisional engine's changes)."""
+        return self.inner.name
+
+    def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
+        return self.submit_many([requests], write)[0]
+
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
+        return self.inner.submit_many(batches, write)
+
+    def register_buffers(self, regions: Sequence[memoryview]) -> bool:
+        return self.inner.register_buffers(regions)
+
+    def close(self) -> None:
+        self.inner.close()

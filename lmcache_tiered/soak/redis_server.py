@@ -12,7 +12,7 @@ import subprocess
 import time
 from typing import Any
 
-from lmcache_tiered.bench.servers import free_port
+from lmcache_tiered.testing.ports import free_port
 
 #: Seconds a started redis-server has to answer PING.
 START_S = 10.0

@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from functools import partial
-from typing import TypeVar
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
@@ -58,8 +57,6 @@ logger = logging.getLogger("lmcache_tiered")
 _GROW_SLOTS = 64
 #: errnos of a full file system: the tier stops growing but is not degraded.
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-_Result = TypeVar("_Result")
 
 
 class Tier:
@@ -112,12 +109,6 @@ class Tier:
         self.index = SlotIndex(self._capacity_slots)
         #: called (outside the lock) with the keys evicted by a write
         self.on_evict: Callable[[list[CacheEngineKey]], None] | None = None
-        #: called in the caller's thread after the real I/O of each
-        #: :meth:`read`, :meth:`read_payloads` and :meth:`write_payloads`,
-        #: with the payload bytes it moved (0 for none) and the
-        #: ``time.monotonic()`` at which the call began: the bench's device
-        #: models hold the caller here (:mod:`lmcache_tiered.bench.devices`)
-        self.after_io: Callable[[int, float], None] | None = None
         names = TierNames(options.paths, owner)
         self.files = TierFileSet(
             options, names, self.geometry, self.stats, read_only=read_only
@@ -249,56 +240,41 @@ class Tier:
         owns the returned MemoryObjs (one reference each). A record that fails
         its checks is dropped from the tier; one that found no memory is not.
         """
-        began = time.monotonic()
         objs: list[MemoryObj | None] = [None] * len(keys)
         with self.health.in_use() as usable:
             if not usable:
                 self.stats.misses += len(keys)
-                return self._moved(objs, 0, began)
+                return objs
             entries = self._begin_reads(keys)
             objs = [None if e is None else allocate(e.header) for e in entries]
             views = [None if o is None else payload_view(o) for o in objs]
             direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
             outcomes = self._read_into(entries, views, direct)
-        moved = 0
         for i, ok in enumerate(outcomes):
-            obj, entry = objs[i], entries[i]
-            if ok and entry is not None:
-                moved += entry.header.payload_size
-            elif obj is not None:
+            obj = objs[i]
+            if not ok and obj is not None:
                 obj.ref_count_down()
                 objs[i] = None
-        return self._moved(objs, moved, began)
+        return objs
 
     def read_payloads(self, keys: Sequence[CacheEngineKey]) -> list[Payload | None]:
         """Read records into fresh aligned buffers (tier-to-tier copies)."""
-        began = time.monotonic()
         with self.health.in_use() as usable:
             if not usable:
                 self.stats.misses += len(keys)
-                return self._moved([None] * len(keys), 0, began)
+                return [None] * len(keys)
             entries = self._begin_reads(keys)
             views = [
                 None if e is None else aligned_buffer(align_up(e.header.payload_size))
                 for e in entries
             ]
             outcomes = self._read_into(entries, views, [True] * len(keys))
-        payloads = [
+        return [
             Payload.read_back(e.header, v)
             if ok and e is not None and v is not None
             else None
             for e, v, ok in zip(entries, views, outcomes, strict=True)
         ]
-        moved = sum(len(p.view) for p in payloads if p)
-        return self._moved(payloads, moved, began)
-
-    def _moved(
-        self, results: list[_Result], nbytes: int, began: float
-    ) -> list[_Result]:
-        """``results``, once :attr:`after_io` has heard of ``nbytes``."""
-        if self.after_io is not None:
-            self.after_io(nbytes, began)
-        return results
 
     def _read_into(
         self,
@@ -429,14 +405,12 @@ class Tier:
         """
         if self.read_only:
             return [False] * len(payloads)
-        began = time.monotonic()
         allowed = None if evict_only is None else {key_digest(k) for k in evict_only}
         with self.health.in_use() as usable:
             if usable:
-                stored, moved = self._write_payloads(payloads, allowed)
-                return self._moved(stored, moved, began)
+                return self._write_payloads(payloads, allowed)[0]
         self.stats.puts_dropped += len(payloads)
-        return self._moved([False] * len(payloads), 0, began)
+        return [False] * len(payloads)
 
     def _write_payloads(
         self, payloads: Sequence[Payload], allowed: set[bytes] | None

@@ -20,12 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from lmcache_tiered.config import (
-    ConfigError,
-    TierOptions,
-    exposure_warning,
-    shared_file_systems,
-)
+from lmcache_tiered.config import ConfigError, TierOptions
 from lmcache_tiered.io import IOEngine, aligned_buffer, make_engine
 from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.metrics import TierStats
@@ -35,6 +30,7 @@ from lmcache_tiered.storage.files import (
     open_regular,
     try_lock,
 )
+from lmcache_tiered.storage.filesystems import exposure_warning, shared_file_systems
 from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     SCAN_BYTES,

@@ -1,6 +1,6 @@
 """Measure, on one real GPU, the rates the bench's GPU profiles model.
 
-The bench has no GPU: :mod:`lmcache_tiered.bench.profiles` turns a model's
+The bench has no GPU: :mod:`lmcache_tiered.bench.model.profiles` turns a model's
 FLOPs and bytes into seconds with a GPU's datasheet peaks and an efficiency
 (the share of the peak a real kernel reaches). This script measures those
 efficiencies on the GPU it runs on, one term of the profile's formulas at a
@@ -22,7 +22,7 @@ Kernels are timed inside a CUDA graph (no launch gaps: a serving engine
 captures graphs or fuses), so each figure is the GPU's own time. Run it
 where a CUDA GPU and torch are, without LMCache::
 
-    python -m lmcache_tiered.bench.gpu_rates --json gpu-rates.json
+    python -m lmcache_tiered.bench.model.gpu_rates --json gpu-rates.json
 
 Not measured here, so still assumed by the profiles: the tensor-parallel
 all-reduces (one GPU) and vLLM's per-step overhead.
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from lmcache_tiered.bench.profiles import (
+from lmcache_tiered.bench.model.profiles import (
     H200_BF16_FLOPS,
     H200_FP8_FLOPS,
     H200_HBM_BYTES_PER_S,

@@ -27,8 +27,8 @@ import torch
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench import mpbench
-from lmcache_tiered.bench.disk_report import (
+from lmcache_tiered.bench.disk import mpbench
+from lmcache_tiered.bench.disk.disk_report import (
     CONTENDERS,
     Placement,
     median_of,
@@ -37,16 +37,15 @@ from lmcache_tiered.bench.disk_report import (
     table,
     unsteady_writes,
 )
-from lmcache_tiered.bench.rawio import (
-    IN_MEMORY_FILESYSTEMS,
+from lmcache_tiered.bench.disk.rawio import (
     drop_page_cache,
-    filesystem_type,
     fio_read_gbps,
     raw_read_gbps,
     reads_capped,
 )
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.io.uring import UringEngine
+from lmcache_tiered.storage.filesystems import IN_MEMORY_FILESYSTEMS, filesystem_type
 
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
 #: the layer count is chosen so a chunk has the requested size

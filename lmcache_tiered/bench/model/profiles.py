@@ -41,14 +41,14 @@ rank, as vLLM sizes it at start-up::
            - activation_bytes                        (profile run, CUDA graphs)
 
 vLLM keeps prefix blocks of finished requests there until it needs the room
-(its GPU prefix cache, :mod:`lmcache_tiered.bench.baseline`).
+(its GPU prefix cache, :mod:`lmcache_tiered.bench.model.baseline`).
 
 Copies between LMCache's CPU buffers and the GPU (a load's upload, a save's
 download) take ``bytes / pcie_bytes_per_s``: the bench charges that instead
 of the time its stand-in "GPU", a CPU tensor, takes to copy.
 
 The efficiencies (the share of a peak the kernels reach), ``mbu`` and the
-PCIe rate were measured on an H200 by :mod:`lmcache_tiered.bench.gpu_rates`
+PCIe rate were measured on an H200 by :mod:`lmcache_tiered.bench.model.gpu_rates`
 (each profile's ``source`` gives the readings); the tensor-parallel
 all-reduces and the step overhead are not measured (one GPU, no vLLM there)
 and stay assumptions. They set the modelled GPU's speed, the same for every
@@ -57,7 +57,7 @@ policy and for vLLM alone.
 KV scale-down (:func:`bench_shape`): a run stores ``kv_bytes_per_token / F``
 bytes per token, so the working set fits a small machine. The clock is not
 scaled: the bench's drives and links charge the production bytes (F times
-the bytes really moved, :mod:`lmcache_tiered.bench.devices`), the GPU copies
+the bytes really moved, :mod:`lmcache_tiered.bench.model.devices`), the GPU copies
 are charged for production bytes at the PCIe rate, and every other cost is
 real and charged once. F therefore sets what this machine stores and moves,
 not the verdict; only work of this CPU per byte (checksums, memcpy) shrinks

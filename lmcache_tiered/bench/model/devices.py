@@ -14,28 +14,33 @@ ones) at its production bandwidth. The real I/O runs first and the device
 only adds what is left of the modelled time (a floor): where the real I/O
 alone took longer, this machine's disk, not the model, set the time, and the
 device counts it as overrun (see :attr:`Device.overrun_s`), which makes the
-run invalid beyond a small share (:mod:`lmcache_tiered.bench.command`).
+run invalid beyond a small share (:mod:`lmcache_tiered.bench.model.command`).
 
 What stays scaled with the bytes, hence cheaper than in production: work of
 this CPU per byte (checksums, memcpy into LMCache's buffers). Copies to and
 from the GPU are modelled apart, at the profile's PCIe rate
-(:class:`lmcache_tiered.bench.gpu_copies.GpuCopies`).
+(:class:`lmcache_tiered.bench.model.gpu_copies.GpuCopies`).
 
-May touch: the ``after_io`` hook of the ``Tier`` instances it is given, the
-read and write calls of a ``LocalDiskBackend`` it is given (through
-:func:`lmcache_tiered._lmcache.hook_disk_backend_io`), and the clock (it
-sleeps); nothing else.
+May touch: the I/O engine of the ``Tier`` instances it is given (wrapped,
+through ``Tier.engine``), the read and write calls of a ``LocalDiskBackend``
+it is given (through :func:`lmcache_tiered._lmcache.hook_disk_backend_io`),
+and the clock (it sleeps); nothing else.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from lmcache_tiered._lmcache import hook_disk_backend_io
+from lmcache_tiered.io.base import EngineWrapper, IOEngine, IORequest
 from lmcache_tiered.storage.tier import Tier
 
 
@@ -90,12 +95,11 @@ class Device:
         #: seconds the real I/O took beyond the modelled completion
         self.overrun_s = 0.0
 
-    def transfer(self, nbytes: int, began: float) -> None:
-        """Hold the caller until the transfer of ``nbytes`` bench bytes whose
-        real I/O began at ``began`` (``time.monotonic()``) is done on the
-        modelled device."""
-        if nbytes <= 0:
-            return
+    def reserve(self, nbytes: int, began: float) -> float:
+        """Put a transfer of ``nbytes`` bench bytes whose real I/O began at
+        ``began`` (``time.monotonic()``) and has landed on the pipe; the time
+        it is done on the modelled device. Real I/O that landed later than
+        that counts as overrun."""
         hold = nbytes * self.scale / self._bytes_per_s
         with self._lock:
             start = max(began, self._free_at)
@@ -104,12 +108,18 @@ class Device:
             self.transfers += 1
             self.bytes += nbytes
             self.modelled_s += hold + self.spec.latency_s
-        late = time.monotonic() - done
-        if late < 0:
-            time.sleep(-late)
-        else:
-            with self._lock:
+            late = time.monotonic() - done
+            if late > 0:
                 self.overrun_s += late
+        return done
+
+    def transfer(self, nbytes: int, began: float) -> None:
+        """Hold the caller until the transfer of ``nbytes`` bench bytes whose
+        real I/O began at ``began`` is done on the modelled device."""
+        if nbytes > 0:
+            wait = self.reserve(nbytes, began) - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
 
     def zero_counts(self) -> None:
         """Start the counts again (``--restart``: the untimed fill is not
@@ -134,10 +144,73 @@ class Device:
         return f"{drives}{self.spec}"
 
 
+class DeviceEngine(EngineWrapper):
+    """A tier's engine whose batches complete when the modelled device would
+    be done with them: each call's real I/O first, then the rest of its
+    modelled time (:meth:`Device.reserve`) on a timer, so no thread of the
+    tier's or the engine's waits for the model."""
+
+    def __init__(self, inner: IOEngine, device: Device) -> None:
+        super().__init__(inner)
+        self.device = device
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        threading.Thread(
+            target=self._release, name="lmcache-tiered-device", daemon=True
+        ).start()
+
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
+        began = time.monotonic()
+        inner = self.inner.submit_many(batches, write)
+        outer: list[Future[list[int]]] = [Future() for _ in inner]
+        left = [len(inner)]
+        lock = threading.Lock()
+
+        def settle() -> None:
+            for real, held in zip(inner, outer, strict=True):
+                if (error := real.exception()) is not None:
+                    held.set_exception(error)
+                else:
+                    held.set_result(real.result())
+
+        def landed(_: Future[list[int]]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            moved = sum(
+                n for f in inner if f.exception() is None for n in f.result() if n > 0
+            )
+            if moved <= 0:
+                settle()
+                return
+            with self._wake:
+                due = self.device.reserve(moved, began)
+                heapq.heappush(self._due, (due, next(self._order), settle))
+                self._wake.notify()
+
+        for real in inner:
+            real.add_done_callback(landed)
+        return outer
+
+    def _release(self) -> None:
+        """Complete each call's futures once its modelled time has passed."""
+        while True:
+            with self._wake:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    wait = self._due[0][0] - time.monotonic() if self._due else None
+                    self._wake.wait(wait)
+                _, _, settle = heapq.heappop(self._due)
+            settle()
+
+
 def model_tier(tier: Tier, device: Device) -> None:
-    """Every read and write of ``tier`` goes through ``device``
-    (:attr:`Tier.after_io`)."""
-    tier.after_io = device.transfer
+    """Every read and write of ``tier`` goes through ``device``: its engine is
+    wrapped in a :class:`DeviceEngine`."""
+    tier.engine = DeviceEngine(tier.engine, device)
 
 
 def model_disk_backend(backend: Any, device: Device) -> None:

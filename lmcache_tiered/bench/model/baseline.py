@@ -11,7 +11,7 @@ acceleration", every miss recomputed).
 The model (:class:`GpuPrefixCache`):
 
 - capacity: the profile's HBM KV budget in tokens
-  (:attr:`~lmcache_tiered.bench.profiles.ModelProfile.gpu_kv_tokens`); the
+  (:attr:`~lmcache_tiered.bench.model.profiles.ModelProfile.gpu_kv_tokens`); the
   scaled-down bench stores fewer bytes per token but the same tokens, so the
   capacity is in tokens and does not scale;
 - granularity: the trace's 512-token blocks (chained ids: an equal id is an
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from lmcache_tiered.bench import trace
+from lmcache_tiered.bench.common import trace
 
 #: The variant with vLLM's GPU prefix cache only: no LMCache at all.
 NO_EXTERNAL_CACHE = "no_external_cache"

@@ -10,23 +10,21 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered.bench import http_replay, plot, trace
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.report import (
+from lmcache_tiered.bench.common import plot, trace
+from lmcache_tiered.bench.common.report import (
     delta,
     numbers_table,
     percentile,
     render,
     write_json,
 )
+from lmcache_tiered.bench.model.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.serve import http_replay
+from lmcache_tiered.bench.serve.options import LMCACHE_STOCK, TIERED, VLLM_OFFLOAD
 
 if TYPE_CHECKING:
-    from lmcache_tiered.bench.serve_bench import ServeSetup
+    from lmcache_tiered.bench.serve.setup import ServeSetup
 
-LMCACHE_STOCK = "lmcache_stock"
-VLLM_OFFLOAD = "vllm_offload"
-#: a tiered variant is ``tiered_<policy>``
-TIERED = "tiered"
 #: A run whose client sent a request later than this share of the TTFT p50
 #: measured the client, not the server: not compared.
 VALID_LAG_SHARE = 0.05

@@ -53,7 +53,7 @@ from lmcache.v1.memory_management import (
 from lmcache.v1.platform import consume_fd
 
 from lmcache_tiered._lmcache import L2_ADAPTER_MODULES, RUST_RAW_BLOCK_EXTENSION
-from lmcache_tiered.bench.rawio import drop_page_cache
+from lmcache_tiered.bench.disk.rawio import drop_page_cache
 from lmcache_tiered.config import GIB, SETTINGS
 from lmcache_tiered.integration.mp import TieredL2Adapter, TieredL2AdapterConfig
 from lmcache_tiered.io import ALIGN, aligned_buffer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
-from lmcache_tiered.bench.scenario import Setup
+from lmcache_tiered.bench.model.scenario import Setup
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ after the other in this process).
 
 May touch: stderr (progress bars, skipped variants), child processes it
 starts and waits for; the runs themselves go through
-:mod:`lmcache_tiered.bench.variants`.
+:mod:`lmcache_tiered.bench.model.variants`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from functools import partial
 
-from lmcache_tiered.bench import variants
-from lmcache_tiered.bench.progress import Progress, finished_note
-from lmcache_tiered.bench.report import RunResult
-from lmcache_tiered.bench.scenario import Setup, Workload
-from lmcache_tiered.bench.variants import VariantUnavailable, policy_of
+from lmcache_tiered.bench.common.progress import Progress, finished_note
+from lmcache_tiered.bench.common.report import RunResult
+from lmcache_tiered.bench.model import variants
+from lmcache_tiered.bench.model.scenario import Setup, Workload
+from lmcache_tiered.bench.model.variants import VariantUnavailable, policy_of
 
 
 def run_rounds(

@@ -23,18 +23,22 @@ from typing import Any
 
 import torch
 
-from lmcache_tiered.bench import trace
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.devices import Device, DeviceSpec
-from lmcache_tiered.bench.profiles import (
+from lmcache_tiered.bench.common import trace
+from lmcache_tiered.bench.common.args import split_list
+from lmcache_tiered.bench.model.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.model.devices import Device, DeviceSpec
+from lmcache_tiered.bench.model.options import (
+    DEFAULT_WARM_DRIVES,
+    LOADING_PREFETCH,
+    LOADING_SYNC,
+)
+from lmcache_tiered.bench.model.profiles import (
     BenchShape,
     Profile,
     bench_shape,
     get_profile,
 )
-from lmcache_tiered.bench.rawio import IN_MEMORY_FILESYSTEMS, filesystem_type
-from lmcache_tiered.cli.bench import DEFAULT_WARM_DRIVES, LOADING_PREFETCH, LOADING_SYNC
-from lmcache_tiered.cli.shared import split_list
+from lmcache_tiered.storage.filesystems import IN_MEMORY_FILESYSTEMS, filesystem_type
 
 #: LMCache's chunk size (tokens per key) in every variant.
 CHUNK_TOKENS = 256
@@ -74,7 +78,7 @@ class Setup:
     #: the cold tier on a real store (LMCache's ``--l2-adapter`` JSON)
     cold_adapter: Mapping[str, Any] | None = None
     #: how LMCache's hits are loaded (``--loading``, see
-    #: :data:`lmcache_tiered.cli.bench.LOADING_SYNC`)
+    #: :data:`lmcache_tiered.bench.model.options.LOADING_SYNC`)
     loading: str = LOADING_SYNC
     #: ``--restart``: each variant with an engine starts with every distinct
     #: prompt on its drives and nothing in memory

@@ -10,7 +10,7 @@ LMCache's stock disk backend and 5.23 GB/s with parallel reads.
 Every assumption:
 
 - model: the reference profile (``qwen3-coder-480b-fp8-tp8``), vLLM's KV
-  budget 1.98M tokens per rank (see :mod:`lmcache_tiered.bench.profiles`);
+  budget 1.98M tokens per rank (see :mod:`lmcache_tiered.bench.model.profiles`);
 - workload: the built-in ``long`` generator: 24 coding sessions of 2-4
   turns, first messages of 64k-128k tokens (Qwen3-Coder's window is 256k),
   1k-4k tokens a later turn, 200-800 output tokens, 30 s think time, a
@@ -26,7 +26,7 @@ Every assumption:
   striped (assumed: the seed's parallel-read rate over its drives); the
   stock ``LocalDiskBackend`` reads one of them, 1.31 GB/s, a little faster
   than the seed's 0.98 GB/s for it (the bench's defaults, see
-  :mod:`lmcache_tiered.bench.command`);
+  :mod:`lmcache_tiered.bench.model.command`);
 - KV scale F = 16: 1,984 bytes a token on this machine (4.7 GB of distinct
   KV); the drives are modelled for production's bytes, so F only sets what
   this machine stores;
@@ -41,8 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_tiered.bench.baseline import ALL_HOT, NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.report import spread
+from lmcache_tiered.bench.common.report import spread
+from lmcache_tiered.bench.model.baseline import ALL_HOT, NO_EXTERNAL_CACHE
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ PRESETS: dict[str, Preset] = {
         description=(
             "the seed's operating point: long-context coding sessions, "
             "NVMe-oF cold and local NVMe warm at 5.23 GB/s (see "
-            "lmcache_tiered/bench/presets.py for every assumption)"
+            "lmcache_tiered/bench/model/presets.py for every assumption)"
         ),
         settings={
             "profile": "qwen3-coder-480b-fp8-tp8",

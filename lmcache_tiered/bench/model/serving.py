@@ -26,11 +26,11 @@ import torch
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine
-from lmcache_tiered.bench.baseline import GpuPrefixCache
-from lmcache_tiered.bench.gpu_copies import CopyTime, GpuCopies
-from lmcache_tiered.bench.progress import ProgressSink
-from lmcache_tiered.bench.report import RequestRecord
-from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.bench.common.progress import ProgressSink
+from lmcache_tiered.bench.common.report import RequestRecord
+from lmcache_tiered.bench.model.baseline import GpuPrefixCache
+from lmcache_tiered.bench.model.gpu_copies import CopyTime, GpuCopies
+from lmcache_tiered.bench.model.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.integration.vllm_plugin import HintForwarder
 
@@ -92,7 +92,7 @@ class Replay:
 
     The engine loop keeps a GPU clock (``self.gpu``, production seconds since
     the start, which are wall seconds: the replay is not sped up, see
-    :mod:`lmcache_tiered.bench.devices`): modelled compute and the measured
+    :mod:`lmcache_tiered.bench.model.devices`): modelled compute and the measured
     time of real LMCache calls (their GPU copies charged at the profile's
     PCIe rate, see :class:`GpuCopies`) advance it, and the loop sleeps until
     the wall clock reaches it. A late wake-up (another thread holding the

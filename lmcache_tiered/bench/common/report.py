@@ -1,10 +1,10 @@
 """What a bench run measured, and how it is shown: tables, summary line, the
 seed's table over concurrencies, JSON (tables by rich; the picture is
-:mod:`lmcache_tiered.bench.plot`'s, the progress bars
-:mod:`lmcache_tiered.bench.progress`'s).
+:mod:`lmcache_tiered.bench.common.plot`'s, the progress bars
+:mod:`lmcache_tiered.bench.common.progress`'s).
 
 Times are production seconds, which the replay's clock is (it is not sped
-up; only bytes are scaled down, see :mod:`lmcache_tiered.bench.devices`).
+up; only bytes are scaled down, see :mod:`lmcache_tiered.bench.model.devices`).
 Bytes are the bytes this run really moved. With ``--repeat`` every number is
 the median over the runs of a variant.
 

@@ -8,7 +8,7 @@ server's fixed cost per request, fitted as
 
 (a causal prefill of ``n`` tokens has ``n^2 / 2`` query-key pairs: the
 linear and the attention cost of
-:meth:`lmcache_tiered.bench.profiles.ModelProfile.prefill_s`). The fit is
+:meth:`lmcache_tiered.bench.model.profiles.ModelProfile.prefill_s`). The fit is
 least squares on *relative* error with every term non-negative: TTFTs span
 two orders of magnitude, and a free fit trades a negative per-token cost for
 the long prompts' attention (it did: -88 us per token, 179 % off at 512).
@@ -17,7 +17,7 @@ Decode: the gaps between streamed tokens are decode steps; measured alone
 (a batch of one, at each prompt length) and with ``batch`` requests
 decoding together, fitted as ``step_s + per_context_token_s * ctx +
 per_sequence_s * (b - 1)`` for ``b`` sequences holding ``ctx`` tokens
-(:class:`lmcache_tiered.bench.profiles.MeasuredProfile`).
+(:class:`lmcache_tiered.bench.model.profiles.MeasuredProfile`).
 
 The same rates from a timed run of vLLM alone (:func:`from_run`): on this
 VM the server's prefill ran up to 40 % faster or slower from one few minutes
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_tiered.bench import http_replay
-from lmcache_tiered.bench.trace import BLOCK_TOKENS, Request, TokenBlocks
+from lmcache_tiered.bench.common.trace import BLOCK_TOKENS, Request, TokenBlocks
+from lmcache_tiered.bench.serve import http_replay
 
 #: prompt lengths measured (tokens), each ``REPEATS`` times
 LENGTHS = (512, 1024, 2048, 4096, 6144, 8192)

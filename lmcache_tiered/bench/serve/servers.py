@@ -17,7 +17,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from lmcache_tiered.bench.http_replay import TRACE_REQUEST_ID
+from lmcache_tiered.bench.serve.http_replay import TRACE_REQUEST_ID
+from lmcache_tiered.testing.ports import free_port
 
 #: How long a server may take to answer (vLLM-CPU: 40-60 s on 2 cores).
 START_TIMEOUT_S = 300.0
@@ -37,13 +37,6 @@ STOP_TIMEOUT_S = 60.0
 
 class ServerError(RuntimeError):
     """A server did not start or died; the message ends with its log's tail."""
-
-
-def free_port() -> int:
-    """A loopback port no one listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def answers(url: str) -> bool:

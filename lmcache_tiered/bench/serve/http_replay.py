@@ -2,7 +2,7 @@
 
 Requests are sent on the trace's clock (wall second = trace second); a
 follow-up turn is sent its think time after the turn it follows finished,
-as in :mod:`lmcache_tiered.bench.serving`. Each is a streamed completion of
+as in :mod:`lmcache_tiered.bench.model.serving`. Each is a streamed completion of
 token ids (``ignore_eos``, so it makes exactly its ``output_length``
 tokens); TTFT is taken at the first streamed token, from the time the
 request was due, so a late send counts against the client, never for the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from lmcache_tiered.bench.trace import Request, TokenBlocks
+from lmcache_tiered.bench.common.trace import Request, TokenBlocks
 
 #: A request that has not finished in this long has hung (seconds).
 REQUEST_TIMEOUT_S = 1800.0

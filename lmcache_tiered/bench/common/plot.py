@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmcache_tiered.bench.report import delta
+from lmcache_tiered.bench.common.report import delta
 
 
 def _pyplot() -> Any:
@@ -108,7 +108,7 @@ def draw_concurrencies(
     stock: str,
     reference: str,
 ) -> None:
-    """The seed's table (:func:`lmcache_tiered.bench.report.seed_rows`) as a
+    """The seed's table (:func:`lmcache_tiered.bench.common.report.seed_rows`) as a
     PNG: TTFT p50 and token throughput per variant, one bar per concurrency
     side by side, the runs' lowest..highest as error bars (none for a single
     run), each bar labelled with its change against ``reference`` (the seed's

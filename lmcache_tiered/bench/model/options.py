@@ -1,0 +1,31 @@
+"""The bench's defaults and the names of its choices, shared by its command
+line (:mod:`lmcache_tiered.cli.bench`) and the run; importing this module
+imports neither torch nor LMCache, so ``--help`` answers at once."""
+
+from __future__ import annotations
+
+#: Warm drives (directories) when ``--warm`` names none: the deployment the
+#: plugin is built for stripes over several local NVMe drives.
+DEFAULT_WARM_DRIVES = 4
+#: How the served engine loads LMCache's hits (``--loading``): in the engine
+#: loop, blocking the step (vLLM's LMCacheConnectorV1 in-process, LMCache's
+#: default), or prefetched off it (``lmcache server`` with vLLM's
+#: LMCacheMPConnector, the multi-process road)
+LOADING_SYNC, LOADING_PREFETCH = "sync", "prefetch"
+#: The deployment the plugin is built for, at the seed's rates: warm, four
+#: local NVMe drives of 1.31 GB/s + 0.1 ms (5.23 GB/s striped, the seed's
+#: parallel-read rate; one drive, the stock backend's, near its 0.98 GB/s);
+#: cold, NVMe-oF at the seed's 5.23 GB/s + 0.1 ms a command.
+DEFAULT_WARM_DRIVE = "1.31,0.1"
+#: Variants replayed at once, each in a process of its own: three kept
+#: valid on the 2-core machine the defaults are sized for (docs/bench.md).
+DEFAULT_JOBS = 3
+#: The policies of a run with no options: with the stock backend, one round
+#: of DEFAULT_JOBS.
+DEFAULT_POLICIES = ("none", "hinted")
+#: The built-in workload of a run with no options: its working set is larger
+#: than vLLM's HBM cache and LMCache's CPU tier, as the seed's was.
+DEFAULT_WORKLOAD = "agent"
+DEFAULT_COLD_LINK = "5.23,0.1"
+#: Where the picture goes unless --plot says otherwise.
+DEFAULT_PLOT = "lmcache-tiered-bench.png"
