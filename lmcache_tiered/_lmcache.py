@@ -9,7 +9,9 @@ The contracts are imported where they are used: the in-process plugin's
 ``Bitmap``, ``create_event_notifier``). They sit at the same paths in both
 versions.
 
-Everything else lives here, each with the reason we need it. LMCache 0.5.7
+Everything else the product needs lives here, each with the reason we need
+it; what only the test harness and the benchmarks reach for lives in
+:mod:`lmcache_tiered.testing.lmcache`, built on :func:`first_module`. LMCache 0.5.7
 moved the in-process engine under ``lmcache.inprocess.v1`` ("Deprecated
 in-process LMCache implementation") with no shims at the 0.5.6 paths: each
 moved name is imported from the 0.5.7 path first, then the 0.5.6 one. Private
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -36,28 +37,16 @@ from lmcache.v1.memory_management import (
 
 __all__ = [
     "ChunkedTokenDatabase",
-    "EventStatus",
-    "EventType",
-    "GPUConnectorInterface",
-    "LMCacheEngine",
-    "LMCacheEngineBuilder",
-    "MixedMemoryAllocator",
-    "PinMonitor",
-    "RUST_RAW_BLOCK_EXTENSION",
-    "StorageManager",
     "before_cpu_pool_frees",
     "build_l2_adapter",
     "cpu_pool_buffer",
     "cpu_pool_bytes",
-    "engine_instances",
+    "first_module",
     "flat_memory_obj",
-    "hook_disk_backend_io",
     "l2_memory_tags",
-    "mock_up_broadcast_fn",
-    "mock_up_broadcast_object_fn",
     "object_key_to_string",
-    "read_disk_backend_keys_in_turn",
     "seed_l2_usage",
+    "unsupported",
     "watch_first_use",
 ]
 
@@ -69,7 +58,7 @@ def _moved(exc: ModuleNotFoundError, package: str) -> bool:
     return bool(name) and (package == name or package.startswith(name + "."))
 
 
-def _unsupported(what: str) -> ImportError:
+def unsupported(what: str) -> ImportError:
     """The error for an LMCache release whose layout we do not know."""
     try:
         version = importlib.metadata.version("lmcache")
@@ -98,34 +87,12 @@ def _unsupported(what: str) -> ImportError:
 # the adapter, never loads the deprecated in-process engine nor what it pulls
 # in (transformers: seconds of start-up).
 _LAZY: dict[str, tuple[str, ...]] = {
-    # the harness (tests, benchmarks) drives a real in-process engine on CPU,
-    # through a connector of its own, and waits on its load events
-    "LMCacheEngine": ("lmcache.inprocess.v1.cache_engine", "lmcache.v1.cache_engine"),
-    "LMCacheEngineBuilder": (
-        "lmcache.inprocess.v1.cache_engine",
-        "lmcache.v1.cache_engine",
-    ),
-    "EventStatus": ("lmcache.inprocess.v1.event_manager", "lmcache.v1.event_manager"),
-    "EventType": ("lmcache.inprocess.v1.event_manager", "lmcache.v1.event_manager"),
-    "GPUConnectorInterface": (
-        "lmcache.inprocess.v1.gpu_connector.gpu_connectors",
-        "lmcache.v1.gpu_connector.gpu_connectors",
-    ),
-    # no-op collectives the builder needs for one engine outside vLLM
-    "mock_up_broadcast_fn": ("lmcache.utils",),
-    "mock_up_broadcast_object_fn": ("lmcache.utils",),
-    # a singleton thread the harness stops after the last engine
-    "PinMonitor": ("lmcache.inprocess.v1.pin_monitor", "lmcache.v1.pin_monitor"),
     # the backend maps hint tokens to chunk keys with LMCache's own token
     # database, so a hint names exactly the keys the engine stores
     "ChunkedTokenDatabase": (
         "lmcache.inprocess.v1.token_database",
         "lmcache.v1.token_database",
     ),
-    # did not move: the harness reads the tiers' dict, loop and thread off the
-    # engine's StorageManager; tests build CPU pools as LocalCPUBackend does
-    "StorageManager": ("lmcache.v1.storage_backend.storage_manager",),
-    "MixedMemoryAllocator": ("lmcache.v1.memory_allocators.mixed_memory_allocator",),
     # LMCache's raw-block adapter names an ObjectKey by this text; the tests
     # hold our key text to it, so a chunk keeps its name across the two stores
     "object_key_to_string": (
@@ -135,39 +102,13 @@ _LAZY: dict[str, tuple[str, ...]] = {
 }
 
 if TYPE_CHECKING:  # lmcache ships no types: all of these are Any to mypy
-    from lmcache.inprocess.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-    from lmcache.inprocess.v1.event_manager import EventStatus, EventType
-    from lmcache.inprocess.v1.gpu_connector.gpu_connectors import (
-        GPUConnectorInterface,
-    )
-    from lmcache.inprocess.v1.pin_monitor import PinMonitor
     from lmcache.inprocess.v1.token_database import ChunkedTokenDatabase
-    from lmcache.utils import mock_up_broadcast_fn, mock_up_broadcast_object_fn
     from lmcache.v1.distributed.l2_adapters.raw_block.key_codec import (
         object_key_to_string,
     )
-    from lmcache.v1.memory_allocators.mixed_memory_allocator import (
-        MixedMemoryAllocator,
-    )
-    from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 
-#: the native extension LMCache's RustRawBlockBackend opens at its first I/O,
-#: not at import (``pip install --pre lmcache-rust-raw-block-io``): diskbench
-#: must check for it too, or the backend fails once the engine builds it
-RUST_RAW_BLOCK_EXTENSION = "lmcache_rust_raw_block_io"
-
-
-#: LMCache's own L2 adapters diskbench drives, and their modules: imported by
-#: name, since LMCache's lookup by type name imports every adapter module in
-#: turn (cloud SDKs among them, printing their warnings) until one registers it
-L2_ADAPTER_MODULES = {
-    kind: f"lmcache.v1.distributed.l2_adapters.{kind}_l2_adapter"
-    for kind in ("fs", "fs_native", "raw_block")
-}
-
-
-def _first_module(paths: tuple[str, ...]) -> ModuleType:
+def first_module(paths: tuple[str, ...]) -> ModuleType:
     """The first of ``paths`` this LMCache has; an error naming the release
     when none (a missing module they import is raised as it is)."""
     for path in paths:
@@ -176,27 +117,16 @@ def _first_module(paths: tuple[str, ...]) -> ModuleType:
         except ModuleNotFoundError as exc:
             if not _moved(exc, path):
                 raise
-    raise _unsupported(paths[0])
+    raise unsupported(paths[0])
 
 
 def __getattr__(name: str) -> Any:
     paths = _LAZY.get(name)
     if paths is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_first_module(paths), name)
+    value = getattr(first_module(paths), name)
     globals()[name] = value
     return value
-
-
-def engine_instances() -> dict[str, Any]:
-    """LMCache's engines by instance id (``LMCacheEngineBuilder._instances``):
-    the builder has no public listing, and the harness must destroy every
-    engine it built, or their non-daemon threads hang interpreter exit."""
-    builder = __getattr__("LMCacheEngineBuilder")
-    instances = getattr(builder, "_instances", None)
-    if not isinstance(instances, dict):
-        raise _unsupported("LMCacheEngineBuilder._instances")
-    return instances
 
 
 # ---------------------------------------------------------- the CPU tier
@@ -231,7 +161,7 @@ def before_cpu_pool_frees(hot: Any, callback: Callable[[], None]) -> None:
     allocator: Any = getattr(hot, "memory_allocator", None)
     close = getattr(allocator, "close", None)
     if not callable(close):
-        raise _unsupported("LocalCPUBackend.memory_allocator.close")
+        raise unsupported("LocalCPUBackend.memory_allocator.close")
 
     def close_after_callback() -> None:
         try:
@@ -271,56 +201,6 @@ def watch_first_use(obj: Any, callback: Callable[[], None]) -> bool:
     return True
 
 
-# ------------------------------------------------- the stock disk backend
-
-
-def hook_disk_backend_io(backend: Any, after: Callable[[int, float], None]) -> None:
-    """Call ``after(nbytes, began)`` after every chunk file ``LocalDiskBackend``
-    reads or writes (its ``read_file(key, buffer, path)`` and
-    ``write_file(buffer, path)``, wrapped on the instance): the bench models
-    the stock backend's drive as it models ours, and LMCache has no hook for
-    it."""
-    read, write = (getattr(backend, name, None) for name in ("read_file", "write_file"))
-    if not callable(read) or not callable(write):
-        raise _unsupported("LocalDiskBackend.read_file/write_file")
-
-    def read_file(key: Any, buffer: Any, path: str) -> Any:
-        began = time.monotonic()
-        result = read(key, buffer, path)
-        after(len(buffer), began)
-        return result
-
-    def write_file(buffer: Any, path: str) -> Any:
-        began = time.monotonic()
-        result = write(buffer, path)
-        after(len(buffer), began)
-        return result
-
-    backend.read_file = read_file
-    backend.write_file = write_file
-
-
-def read_disk_backend_keys_in_turn(backend: Any) -> None:
-    """Make ``LocalDiskBackend.batched_get_blocking(keys)`` read its keys one
-    after another in the caller's thread (its ``get_blocking`` for each, wrapped
-    on the instance) instead of all at once on its shared read pool.
-
-    That is how LMCache's ``fs`` L2 adapter serves ``lmcache server``: each
-    load task awaits one read before the next (``FSL2Adapter._execute_load``),
-    so concurrent prefetches take turns on the drive and finish together,
-    where the pool would serve them first come, first done. The bench's stock
-    baseline stands for that adapter on the server's road."""
-    get = getattr(backend, "get_blocking", None)
-    batched = getattr(backend, "batched_get_blocking", None)
-    if not callable(get) or not callable(batched):
-        raise _unsupported("LocalDiskBackend.get_blocking/batched_get_blocking")
-
-    def batched_get_blocking(keys: Sequence[Any]) -> list[Any]:
-        return [get(key) for key in keys]
-
-    backend.batched_get_blocking = batched_get_blocking
-
-
 # ------------------------------------------------------ the L2 adapter base
 
 
@@ -333,13 +213,13 @@ def seed_l2_usage(adapter: Any, salts: Sequence[str], charge: int) -> None:
     try:
         lock = adapter._usage_lock
     except AttributeError:
-        raise _unsupported("L2AdapterInterface._usage_lock") from None
+        raise unsupported("L2AdapterInterface._usage_lock") from None
     with lock:
         try:
             by_salt: dict[str, int] = adapter._bytes_by_cache_salt
             adapter._total_bytes_used += charge * len(salts)
         except AttributeError as exc:
-            raise _unsupported(f"L2AdapterInterface.{exc.name}") from None
+            raise unsupported(f"L2AdapterInterface.{exc.name}") from None
         for salt in salts:
             by_salt[salt] = by_salt.get(salt, 0) + charge
 

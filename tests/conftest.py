@@ -13,12 +13,12 @@ import torch
 from hypothesis import settings
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.config import plugin_extra_config as loading_config
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.storage.tier import Tier
+from lmcache_tiered.testing.lmcache import MixedMemoryAllocator
 
 ENGINES = ["uring", "threads"]
 

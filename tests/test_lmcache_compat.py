@@ -1,5 +1,6 @@
-"""lmcache_tiered._lmcache: LMCache's moved and private names, on the
-installed release (CI runs this file on 0.5.6 and on 0.5.7rc2)."""
+"""lmcache_tiered._lmcache and the harness's lmcache_tiered.testing.lmcache:
+LMCache's moved and private names, on the installed release (CI runs this
+file on 0.5.6 and on 0.5.7rc2)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_tiered import _lmcache
+from lmcache_tiered.testing import lmcache as harness
 
 
 def test_moved_names_come_from_the_installed_layout() -> None:
@@ -23,18 +25,19 @@ def test_moved_names_come_from_the_installed_layout() -> None:
         if new
         else "lmcache.v1.storage_backend.raw_block"
     )
-    assert _lmcache.LMCacheEngine.__module__ == f"{engine}.cache_engine"
-    assert _lmcache.GPUConnectorInterface.__module__.startswith(f"{engine}.")
+    assert harness.LMCacheEngine.__module__ == f"{engine}.cache_engine"
+    assert harness.GPUConnectorInterface.__module__.startswith(f"{engine}.")
     assert _lmcache.ChunkedTokenDatabase.__module__ == f"{engine}.token_database"
     assert _lmcache.object_key_to_string.__module__ == f"{codec}.key_codec"
-    assert isinstance(_lmcache.engine_instances(), dict)
-    with pytest.raises(AttributeError, match="no attribute 'LMCacheEngin'"):
-        _lmcache.LMCacheEngin  # noqa: B018
+    assert isinstance(harness.engine_instances(), dict)
+    for module in (_lmcache, harness):
+        with pytest.raises(AttributeError, match="no attribute 'LMCacheEngin'"):
+            module.LMCacheEngin  # noqa: B018
 
 
 def test_an_unknown_layout_names_the_release_and_our_range() -> None:
     with pytest.raises(ImportError) as info:
-        _lmcache._first_module(("lmcache.v9.cache_engine", "lmcache.v8.cache_engine"))
+        _lmcache.first_module(("lmcache.v9.cache_engine", "lmcache.v8.cache_engine"))
     text = str(info.value)
     installed = importlib.metadata.version("lmcache")
     assert f"lmcache.v9.cache_engine not found in lmcache {installed}" in text
@@ -52,7 +55,7 @@ def test_a_module_that_exists_but_misses_a_dependency_is_not_a_layout_change(
     (package / "engine.py").write_text("import no_such_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError) as info:
-        _lmcache._first_module(("fake_lmcache_layout.engine", "lmcache.v1.x"))
+        _lmcache.first_module(("fake_lmcache_layout.engine", "lmcache.v1.x"))
     assert info.value.name == "no_such_dependency_xyz"
 
 

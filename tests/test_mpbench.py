@@ -21,8 +21,8 @@ from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_clas
 from lmcache.v1.distributed.storage_controllers.store_policy import create_store_policy
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
 
-from lmcache_tiered._lmcache import L2_ADAPTER_MODULES, RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench.disk import disk_report, mpbench, rawio
+from lmcache_tiered.testing.lmcache import L2_ADAPTER_MODULES, RUST_RAW_BLOCK_EXTENSION
 
 HAS_RAW_BLOCK = importlib.util.find_spec(RUST_RAW_BLOCK_EXTENSION) is not None
 

@@ -19,7 +19,6 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.cli import main
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.integration.backend import TieredBackend
@@ -32,6 +31,7 @@ from lmcache_tiered.storage.layout import (
     decode_header_blocks,
 )
 from lmcache_tiered.storage.tier import Tier
+from lmcache_tiered.testing.lmcache import MixedMemoryAllocator
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
 TierFactory = Callable[..., Tier]

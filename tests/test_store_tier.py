@@ -525,7 +525,7 @@ DESTROY_CHILD = """
 import json, os, sys, time
 import torch
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import LMCacheEngineBuilder, engine_instances
+from lmcache_tiered.testing.lmcache import LMCacheEngineBuilder, engine_instances
 from lmcache_tiered.config import TieredConfig
 from lmcache_tiered.storage.tier import Tier
 

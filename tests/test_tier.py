@@ -14,12 +14,12 @@ from conftest import ENGINES, payload_offset, random_kv
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered._lmcache import MixedMemoryAllocator
 from lmcache_tiered.io.base import EngineWrapper, IORequest
 from lmcache_tiered.storage import checks
 from lmcache_tiered.storage.index import Entry
 from lmcache_tiered.storage.layout import RecordHeader
 from lmcache_tiered.storage.tier import Payload, Tier
+from lmcache_tiered.testing.lmcache import MixedMemoryAllocator
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16: one slot of the test tier
 TierFactory = Callable[..., Tier]

@@ -1,11 +1,11 @@
 """TieredCache: the warm and cold tiers, the writer and the warm-up, composed.
 
 Everything between LMCache's interface and the tiers lives here, so the
-in-process plugin (:mod:`lmcache_tiered.integration.backend`) and the multi-process L2
-adapter (:mod:`lmcache_tiered.integration.mp`) share one implementation. This room opens
-the tiers, answers lookups (the policy's signal), stores with demotion, and
-dispatches events to the warm-up policy; the work itself is in the rooms it
-composes:
+in-process plugin (:mod:`lmcache_tiered.integration.backend`) and the
+multi-process L2 adapter (:mod:`lmcache_tiered.integration.mp`) share one
+implementation. This module opens the tiers, answers lookups (the policy's
+signal), stores with demotion, and dispatches events to the warm-up policy;
+the work itself is in the modules it composes:
 
 - Demand reads fan out over the tiers in :mod:`lmcache_tiered.cache.reads`
   (warm -> cold, then other hosts' files in a shared cold tier); a cold hit

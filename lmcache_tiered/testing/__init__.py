@@ -14,10 +14,12 @@ all import it from here. Usage::
         clear_cpu_tier(engine)                # next read must come from disk
         out, hit = retrieve_tokens(engine, tokens)
 
-Rooms: :mod:`~lmcache_tiered.testing.standins` (the GPU and lookup-server
+Modules: :mod:`~lmcache_tiered.testing.standins` (the GPU and lookup-server
 stand-ins), :mod:`~lmcache_tiered.testing.engine` (build, destroy, config),
-:mod:`~lmcache_tiered.testing.drive` (stores, lookups, retrieves, waits). Each
-says which LMCache facts it relies on. This package touches no tier's files
+:mod:`~lmcache_tiered.testing.drive` (stores, lookups, retrieves, waits),
+:mod:`~lmcache_tiered.testing.lmcache` (the harness's and the benchmarks'
+reaches into LMCache), :mod:`~lmcache_tiered.testing.ports` (loopback ports).
+Each says which LMCache facts it relies on. This package touches no tier's files
 and is never imported by the plugin itself.
 """
 

@@ -55,13 +55,13 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_tiered._lmcache import EventStatus, EventType, LMCacheEngine
 from lmcache_tiered.testing.engine import (
     CPU_TIER,
     get_backends,
     get_local_cpu_backend,
     get_storage_manager,
 )
+from lmcache_tiered.testing.lmcache import EventStatus, EventType, LMCacheEngine
 from lmcache_tiered.testing.standins import CPUConnector, RecordingLookupServer
 
 

@@ -59,7 +59,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.abstract_backend import StorageBackendInterface
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from lmcache_tiered._lmcache import (
+from lmcache_tiered.testing.lmcache import (
     LMCacheEngine,
     LMCacheEngineBuilder,
     PinMonitor,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered._lmcache import GPUConnectorInterface
+from lmcache_tiered.testing.lmcache import GPUConnectorInterface
 
 # The connector's KV layout: one request's KV, token-contiguous.
 # [num_layers, 2 (K/V), num_tokens, num_kv_heads, head_size]

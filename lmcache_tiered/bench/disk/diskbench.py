@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench.disk import mpbench
 from lmcache_tiered.bench.disk.disk_report import (
     CONTENDERS,
@@ -46,6 +45,7 @@ from lmcache_tiered.bench.disk.rawio import (
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.io.uring import UringEngine
 from lmcache_tiered.storage.filesystems import IN_MEMORY_FILESYSTEMS, filesystem_type
+from lmcache_tiered.testing.lmcache import RUST_RAW_BLOCK_EXTENSION
 
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
 #: the layer count is chosen so a chunk has the requested size

@@ -39,11 +39,6 @@ from lmcache.v1.distributed.l2_adapters.config import (
     get_l2_adapter_config_class,
 )
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
-from lmcache.v1.distributed.storage_controllers.store_policy import (
-    StorePolicy,
-    create_store_policy,
-)
-from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
 from lmcache.v1.memory_management import (
     MemoryFormat,
     MemoryObj,
@@ -52,12 +47,18 @@ from lmcache.v1.memory_management import (
 )
 from lmcache.v1.platform import consume_fd
 
-from lmcache_tiered._lmcache import L2_ADAPTER_MODULES, RUST_RAW_BLOCK_EXTENSION
 from lmcache_tiered.bench.disk.rawio import drop_page_cache
 from lmcache_tiered.config import GIB, SETTINGS
 from lmcache_tiered.integration.mp import TieredL2Adapter, TieredL2AdapterConfig
 from lmcache_tiered.io import ALIGN, aligned_buffer
 from lmcache_tiered.storage.layout import Geometry
+from lmcache_tiered.testing.lmcache import (
+    L2_ADAPTER_MODULES,
+    RUST_RAW_BLOCK_EXTENSION,
+    L2AdapterDescriptor,
+    StorePolicy,
+    create_store_policy,
+)
 
 #: our adapter's name among the contenders
 OURS = "mp_tiered"

@@ -23,7 +23,7 @@ from the GPU are modelled apart, at the profile's PCIe rate
 
 May touch: the I/O engine of the ``Tier`` instances it is given (wrapped,
 through ``Tier.engine``), the read and write calls of a ``LocalDiskBackend``
-it is given (through :func:`lmcache_tiered._lmcache.hook_disk_backend_io`),
+it is given (through :func:`lmcache_tiered.testing.lmcache.hook_disk_backend_io`),
 and the clock (it sleeps); nothing else.
 """
 
@@ -39,9 +39,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_tiered._lmcache import hook_disk_backend_io
 from lmcache_tiered.io.base import EngineWrapper, IOEngine, IORequest
 from lmcache_tiered.storage.tier import Tier
+from lmcache_tiered.testing.lmcache import hook_disk_backend_io
 
 
 @dataclass(frozen=True, slots=True)

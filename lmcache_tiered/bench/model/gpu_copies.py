@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.bench.model.scenario import Setup
+from lmcache_tiered.testing.lmcache import LMCacheEngine
 
 
 @dataclass(slots=True)

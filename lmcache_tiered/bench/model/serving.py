@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import LMCacheEngine
 from lmcache_tiered.bench.common.progress import ProgressSink
 from lmcache_tiered.bench.common.report import RequestRecord
 from lmcache_tiered.bench.model.baseline import GpuPrefixCache
@@ -33,6 +32,7 @@ from lmcache_tiered.bench.model.gpu_copies import CopyTime, GpuCopies
 from lmcache_tiered.bench.model.scenario import CHUNK_TOKENS, Setup, Workload
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.integration.vllm_plugin import HintForwarder
+from lmcache_tiered.testing.lmcache import LMCacheEngine
 
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
 _TIER_OF_LOCATION = {testing.CPU_TIER: "hot", testing.DISK_TIER: "warm"}

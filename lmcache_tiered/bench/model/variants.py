@@ -29,7 +29,6 @@ from typing import Any
 from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered import testing
-from lmcache_tiered._lmcache import LMCacheEngine, read_disk_backend_keys_in_turn
 from lmcache_tiered.bench.common import trace
 from lmcache_tiered.bench.common.progress import (
     Progress,
@@ -53,6 +52,7 @@ from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.storage.adapter_tier import AdapterTier
 from lmcache_tiered.storage.tier import Tier
 from lmcache_tiered.storage.tierfiles import SHARED_FILE_SYSTEM_WARNING
+from lmcache_tiered.testing.lmcache import LMCacheEngine, read_disk_backend_keys_in_turn
 
 #: A variant named again runs again as NAME#2, NAME#3, ...: ``none,none`` is
 #: an A/A pair whose paired change is the bench's own run-to-run noise.
