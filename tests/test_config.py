@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -14,7 +16,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.config import (
+    PREFIX,
+    SETTINGS,
+    ConfigError,
+    TieredConfig,
+    TierSettings,
+    setting_key,
+)
 
 
 def test_defaults_and_list_of_paths(tmp_path: Path) -> None:
@@ -181,3 +190,86 @@ def test_a_capacity_beyond_the_file_system_is_warned_about(
     with caplog.at_level("WARNING", logger="lmcache_tiered"):
         TieredConfig.from_extra_config(settings)
     assert not [r for r in caplog.records if "capacity_gb" in r.getMessage()]
+
+
+# ------------------------------------------------ each setting declared once
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lmcache_tiered"
+#: the layers below the tools: none spells a setting's key in its own words
+CORE = ("io", "storage", "warmup", "cache", "integration")
+
+
+def _strings(path: Path) -> list[ast.Constant]:
+    """The string constants of ``path`` that are not docstrings."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(
+            node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        )
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+    ]
+
+
+def test_each_default_is_declared_once_in_the_settings_table() -> None:
+    """TieredConfig's defaults come from SETTINGS, not from literals of its
+    own: a default written in both places would drift."""
+    filled = {s.field: name for name, s in SETTINGS.items() if s.field is not None}
+    assert len(filled) == len([s for s in SETTINGS.values() if s.field is not None])
+    composite = {"warm", "cold", "policy_params"}
+    fields = {f.name: f for f in dataclasses.fields(TieredConfig)}
+    assert set(fields) == set(filled) | composite
+    made = TieredConfig(warm=TierSettings("warm", ("/tmp",), 1))
+    for name, setting in filled.items():
+        assert getattr(made, name) == SETTINGS[setting].field_default(), name
+    source = PACKAGE / "config" / "tiered_config.py"
+    [cls] = [
+        node
+        for node in ast.walk(ast.parse(source.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name == "TieredConfig"
+    ]
+    literal = [
+        node.target.id
+        for node in cls.body
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and isinstance(node.value, ast.Constant)
+        and node.value.value is not None
+    ]
+    assert literal == [], f"defaults spelled outside SETTINGS: {literal}"
+
+
+def test_each_help_text_and_key_is_spelled_once() -> None:
+    """A setting's help lives in SETTINGS only (the docs table and the
+    adapter's help are made from it), and the core cites a setting's key
+    through config.setting_key, never in its own words."""
+    helps = {name: s.help[:40] for name, s in SETTINGS.items()}
+    twice = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "config" / "settings.py":
+            continue
+        text = path.read_text()
+        twice += [f"{path.name}: {n}" for n, h in helps.items() if h in text]
+    assert twice == []
+    spelled = []
+    for layer in CORE:
+        for path in sorted((PACKAGE / layer).rglob("*.py")):
+            for node in _strings(path):
+                spelled += [
+                    f"{path.relative_to(PACKAGE)}:{node.lineno}: {PREFIX}{name}"
+                    for name in SETTINGS
+                    if f"{PREFIX}{name}" in node.value
+                ]
+    assert spelled == []
+    assert setting_key("io_engine") == "tiered.io_engine"
+    with pytest.raises(KeyError, match="no setting tiered.io_engin"):
+        setting_key("io_engin")

@@ -58,7 +58,7 @@ from lmcache_tiered._lmcache import cpu_pool_bytes
 from lmcache_tiered.cache.reads import DemandReader
 from lmcache_tiered.cache.shared import SharedCold
 from lmcache_tiered.cache.writer import PutCallback, Writer
-from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings
+from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings, setting_key
 from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.adapter_tier import AdapterTier
 from lmcache_tiered.storage.layout import RecordHeader
@@ -94,8 +94,9 @@ def load_configured_policy(settings: TieredConfig, view: CacheView) -> WarmupPol
     if settings.admit_after_hits:
         if name != "frequency":
             raise ConfigError(
-                "tiered.warm.admit_after_hits needs tiered.warmup.policy: "
-                f"frequency (the policy in use is {name})"
+                f"{setting_key('warm.admit_after_hits')} needs "
+                f"{setting_key('warmup.policy')}: frequency (the policy in use is "
+                f"{name})"
             )
         params.setdefault("admit_after_hits", settings.admit_after_hits)
     return load_policy(name, view, params)

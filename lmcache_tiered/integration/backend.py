@@ -42,7 +42,7 @@ from lmcache_tiered._lmcache import (
     cpu_pool_buffer,
 )
 from lmcache_tiered.cache.tiered_cache import PutCallback, TieredCache
-from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.config import ConfigError, TieredConfig, setting_key
 from lmcache_tiered.metrics import WarmupStats, collector
 from lmcache_tiered.warmup.hints import HintServer
 
@@ -141,8 +141,8 @@ class TieredBackend(StoragePluginInterface):
             max_payload = self.settings.slot_bytes
             if metadata is not None and max_payload < full_chunk_bytes(metadata):
                 raise ConfigError(
-                    f"tiered.slot_mb: {max_payload / 2**20:.3g} MiB is less than "
-                    f"one full chunk of this model "
+                    f"{setting_key('slot_mb')}: {max_payload / 2**20:.3g} MiB is "
+                    f"less than one full chunk of this model "
                     f"({full_chunk_bytes(metadata) / 2**20:.3g} MiB): every full "
                     "chunk would be dropped; raise it or leave it unset"
                 )
@@ -150,7 +150,8 @@ class TieredBackend(StoragePluginInterface):
             max_payload = full_chunk_bytes(metadata)
         else:
             raise ConfigError(
-                "tiered.slot_mb is required when LMCache passes no model metadata"
+                f"{setting_key('slot_mb')} is required when LMCache passes no "
+                "model metadata"
             )
         worker = 0 if metadata is None else metadata.worker_id
         local_workers = 1 if metadata is None else max(1, metadata.local_world_size)

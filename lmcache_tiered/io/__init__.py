@@ -10,6 +10,7 @@ import logging
 import mmap
 from collections.abc import Sequence
 
+from lmcache_tiered.config import setting_key
 from lmcache_tiered.io import probe, provisional, ring
 from lmcache_tiered.io.base import ALIGN, IOEngine, IORequest
 from lmcache_tiered.io.threads import ThreadEngine
@@ -29,6 +30,8 @@ ENGINE_KINDS = ("auto", "uring", "threads")
 
 
 _fallback_reported = False
+#: the setting that chooses the engine, as messages cite it
+IO_ENGINE = setting_key("io_engine")
 
 
 def _report_fallback(reason: str) -> None:
@@ -38,8 +41,9 @@ def _report_fallback(reason: str) -> None:
         _fallback_reported = True
         logger.error(
             "io_uring unusable here, using the thread-pool engine: %s; set "
-            "`tiered.io_engine: threads` to choose it explicitly",
+            "`%s: threads` to choose it explicitly",
             reason,
+            IO_ENGINE,
         )
 
 
@@ -56,7 +60,7 @@ def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
     if kind not in ENGINE_KINDS:
         raise ValueError(f"io engine must be one of {ENGINE_KINDS}, got {kind!r}")
     if kind == "threads":
-        why = "chosen by tiered.io_engine"
+        why = f"chosen by {IO_ENGINE}"
     elif kind == "auto" and not probe.verdict_ready(provisional.START_WAIT_S):
         logger.info(
             "I/O engine: threads until the io_uring probe answers (none after "
@@ -76,8 +80,8 @@ def make_engine(kind: str, fds: Sequence[int], queue_depth: int) -> IOEngine:
             return engine
         if kind == "uring":
             raise RuntimeError(
-                f"tiered.io_engine is uring, but io_uring is unusable here: {reason}; "
-                "set `tiered.io_engine: threads` to use the thread-pool engine"
+                f"{IO_ENGINE} is uring, but io_uring is unusable here: {reason}; "
+                f"set `{IO_ENGINE}: threads` to use the thread-pool engine"
             )
         _report_fallback(reason)
         why = f"io_uring unusable: {reason}"

@@ -23,21 +23,16 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
-from lmcache_tiered.config import (
-    PREFIX,
-    ConfigError,
-    _parse_bool,
-    _parse_float,
-    _parse_int,
-)
+from lmcache_tiered.config import PREFIX, ConfigError
+from lmcache_tiered.config.parse import parse_bool, parse_float, parse_int
 from lmcache_tiered.warmup.base import CacheView, WarmupPolicy
 
 GROUP = "lmcache_tiered.warmup_policies"
 
 _PARSERS: dict[type, Callable[[str, Any], Any]] = {
-    bool: _parse_bool,
-    int: _parse_int,
-    float: _parse_float,
+    bool: parse_bool,
+    int: parse_int,
+    float: parse_float,
     str: lambda key, value: str(value),
 }
 
