@@ -119,7 +119,7 @@ def test_chunks_spread_over_the_cluster_and_a_lost_node_is_a_miss_of_its_own(
     engine, connector, cache = store_engine(
         engine_factory, tmp_path / "a", cluster.adapter
     )
-    assert cache.tiers["cold"].engine.name == "l2:valkey"
+    assert cache.tiers["cold"].engine_name == "l2:valkey"
     store = cache.tiers["cold"]
     assert isinstance(store, AdapterTier)
     probes = [names(k.chunk_hash)[0] for k in store.probe_keys]

@@ -126,7 +126,7 @@ def test_warm_too_small_demotes_to_redis_and_a_new_cache_is_served_from_it(
     assert [cache.tier_of(k) for k in first_keys] == ["cold", "cold"]
     assert len(redis.objects()) == 2 * 2  # payload and header of each
     cold = cache.tiers["cold"]
-    assert cold.engine.name == "l2:resp"
+    assert cold.engine_name == "l2:resp"
     testing.clear_cpu_tier(engine)
     out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)

@@ -26,9 +26,9 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered.cache.writer import Writer
 from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.layout import RecordHeader
 from lmcache_tiered.storage.payload import Allocator
-from lmcache_tiered.storage.tier_protocol import StorageTier
 from lmcache_tiered.warmup.base import TierName
 from lmcache_tiered.warmup.promoter import Promoter
 

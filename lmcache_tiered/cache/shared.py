@@ -21,9 +21,8 @@ import stat
 import threading
 import time
 
-from lmcache.utils import CacheEngineKey
-
 from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.files import file_kind, printable
 from lmcache_tiered.storage.health import JOIN_S
 from lmcache_tiered.storage.layout import RecordHeader, TierNames
@@ -67,7 +66,7 @@ class SharedCold:
         with self._lock:
             return list(self._foreign.values())
 
-    def find(self, key: CacheEngineKey) -> RecordHeader | None:
+    def find(self, key: StoreKey) -> RecordHeader | None:
         return next((h for t in self.tiers() if (h := t.header(key))), None)
 
     def refresh(self) -> None:

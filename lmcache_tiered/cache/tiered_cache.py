@@ -21,7 +21,7 @@ the work itself is in the modules it composes:
   after demand reads.
 
 May touch: the tiers (through
-:class:`lmcache_tiered.storage.tier_protocol.StorageTier`),
+:class:`lmcache_tiered.storage.base.StorageTier`),
 LMCache's CPU tier (lookups only; the promoter and reader use it), the policy,
 and the owner's ``on_change`` hook. It never does I/O itself.
 
@@ -61,9 +61,9 @@ from lmcache_tiered.cache.writer import PutCallback, Writer
 from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings, setting_key
 from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.adapter_tier import AdapterTier
+from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.layout import RecordHeader
 from lmcache_tiered.storage.tier import Allocator, Payload, Tier
-from lmcache_tiered.storage.tier_protocol import StorageTier
 from lmcache_tiered.warmup import CacheView, load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
 from lmcache_tiered.warmup.chains import ChainIndex
@@ -146,33 +146,30 @@ class TieredCache:
                 ("warm", settings.warm),
                 ("cold", settings.cold),
             ]
+            files: dict[TierName, Tier] = {}
             for name, tier_settings in levels:
                 if tier_settings is None:
                     continue
-                tier = Tier(
+                files[name] = self.tiers[name] = Tier(
                     settings.tier_options(tier_settings),
                     owner=tier_owner(name, owner, settings),
                     max_payload=max_payload,
                     # the cap is for the host: each local worker gets a share
                     capacity_bytes=tier_settings.capacity_bytes // local_workers,
                 )
-                self.tiers[name] = tier
-                tier.on_evict = self._evicted_from(name)
-                if name == "warm":
-                    #: always files: the store asks for its victims, the L2
-                    #: adapter for its geometry
-                    self.warm = tier
+            #: always files: the store asks for its victims, the L2 adapter
+            #: for its geometry
+            self.warm = files["warm"]
             if settings.cold_adapter is not None:
-                # the cold tier on a store: it evicts on its own
                 self.tiers["cold"] = AdapterTier(settings, max_payload=max_payload)
+            for name, tier in self.tiers.items():
+                if not tier.evicts_itself:  # a store's evictions are unseen
+                    tier.on_evict = self._evicted_from(name)
             self.chains = ChainIndex()
             self.policy = self._load_policy()
             # last: its thread must not outlive a constructor that failed
-            cold = self.tiers.get("cold")
             self.shared = SharedCold(
-                cold if isinstance(cold, Tier) else None,
-                settings,
-                max_payload=max_payload,
+                files.get("cold"), settings, max_payload=max_payload
             )
         except BaseException:
             for opened in self.tiers.values():
@@ -300,7 +297,8 @@ class TieredCache:
         misses and are left alone. The policy sees the whole lookup, with the
         leading run of hits as the prefix found: lookups are its signal."""
         held = [False] * len(keys)
-        if isinstance(cold := self.tiers.get("cold"), AdapterTier):
+        cold = self.tiers.get("cold")
+        if cold is not None and cold.supports_discovery:
             # chunks other hosts or processes put in the store: one round trip
             cold.discover([k for k in keys if self.warm.header(k) is None])
         by_tier: dict[TierName, list[StoreKey]] = {}
@@ -330,8 +328,7 @@ class TieredCache:
         per request. The memory must stay mapped while the tiers are open."""
         region = memoryview((ctypes.c_ubyte * nbytes).from_address(address))
         for tier in self.tiers.values():
-            if tier.engine.supports_fixed_buffers:
-                tier.engine.register_buffers([region])
+            tier.register_buffers([region])
 
     def stored_keys(self) -> list[StoreKey]:
         keys = {k: None for t in self.tiers.values() for k in t.stored_keys()}

@@ -177,7 +177,7 @@ class TieredBackend(StoragePluginInterface):
             "lmcache_tiered: TieredBackend ready: %s; warm-up policy %s%s",
             ", ".join(
                 f"{name} {len(t.paths)} path(s), {len(t)} chunks, "
-                f"engine {t.engine.name}, O_DIRECT {t.direct_io}"
+                f"engine {t.engine_name}, O_DIRECT {t.direct_io}"
                 for name, t in self.cache.tiers.items()
             ),
             self.settings.warmup_policy,

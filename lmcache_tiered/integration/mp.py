@@ -98,9 +98,9 @@ from lmcache_tiered.cache.tiered_cache import (
 from lmcache_tiered.cache.writer import BatchWorker
 from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
 from lmcache_tiered.integration.l2_ledger import L2Ledger
+from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.layout import TierNames, read_superblock
 from lmcache_tiered.storage.payload import Payload
-from lmcache_tiered.storage.tier_protocol import StorageTier
 from lmcache_tiered.storage.tierfiles import open_tier_file, take_lock
 
 logger = logging.getLogger("lmcache_tiered")
@@ -285,7 +285,7 @@ class TieredL2Adapter(L2Ledger):
             "lmcache_tiered: TieredL2Adapter ready: %s; warm-up policy %s",
             ", ".join(
                 f"{t.name} {len(t.paths)} path(s), {len(t)} chunks, "
-                f"engine {t.engine.name}, O_DIRECT {t.direct_io}"
+                f"engine {t.engine_name}, O_DIRECT {t.direct_io}"
                 for t in self.tiers
             )
             or "tiers open at the first store (slot size from its objects)",
@@ -597,7 +597,7 @@ class TieredL2Adapter(L2Ledger):
             "tiers": {
                 name: {
                     "paths": list(t.paths),
-                    "engine": t.engine.name,
+                    "engine": t.engine_name,
                     "direct_io": t.direct_io,
                     **counters["tiers"][name],
                 }

@@ -62,6 +62,7 @@ from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import TierStats
 from lmcache_tiered.storage import store_client
+from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     CorruptRecord,
@@ -93,38 +94,24 @@ DEGRADE_AFTER = 3
 MAX_INDEX = 1 << 18
 
 
-@dataclass(frozen=True, slots=True)
-class StoreEngine:
-    """What the tier reports as its I/O engine (status, ``inspect``)."""
-
-    name: str
-    supports_fixed_buffers: bool = False
-
-    def register_buffers(self, regions: Sequence[memoryview]) -> bool:
-        """A store takes no fixed buffers (reads land in buffers of ours)."""
-        return False
-
-
-class AdapterTier:
-    """The cold tier over an LMCache L2 adapter: a
-    :class:`lmcache_tiered.storage.tier_protocol.StorageTier` (see the module
-    docstring for what differs from a file tier)."""
+class AdapterTier(StorageTier):
+    """The cold tier over an LMCache L2 adapter (see the module docstring for
+    what differs from a file tier)."""
 
     name = "cold"
-    paths: tuple[str, ...] = ()
-    direct_io = False
+    supports_discovery = True
+    evicts_itself = True
 
     def __init__(self, settings: TieredConfig, *, max_payload: int) -> None:
         spec = settings.cold_adapter
         assert spec is not None
         self.spec = spec
-        self.engine = StoreEngine(f"l2:{spec['type']}")
         self.max_payload = max_payload
         self.stats = TierStats()
         #: why the store is down (None: it serves), "down since T: why"
-        self.degraded: str | None = None
+        self._down: str | None = None
         #: why it refuses writes while it serves reads, "since T: why"
-        self.writes_refused: str | None = None
+        self._refused: str | None = None
         self._down_since = self._refused_since = 0.0
         self._index: OrderedDict[bytes, RecordHeader] = OrderedDict()
         self._lock = threading.Lock()
@@ -142,6 +129,18 @@ class AdapterTier:
             target=self._probe_loop, name="lmcache-tiered-store-probe", daemon=True
         )
         self._prober.start()
+
+    @property
+    def engine_name(self) -> str:
+        return f"l2:{self.spec['type']}"
+
+    @property
+    def degraded(self) -> str | None:
+        return self._down
+
+    @property
+    def writes_refused(self) -> str | None:
+        return self._refused
 
     # ----------------------------------------------------------------- index
 
@@ -421,15 +420,15 @@ class AdapterTier:
             if self.degraded is not None:
                 return
             self._down_since = time.time()
-            self.degraded = f"down since {_clock(self._down_since)}: {why}"
-            self.writes_refused = None  # the check that brings it back says
+            self._down = f"down since {_clock(self._down_since)}: {why}"
+            self._refused = None  # the check that brings it back says
             self.stats.degradations += 1
             client, self._client = self._client, None
             self._index.clear()
         logger.warning(
             "lmcache_tiered: cold store (%s) %s; its chunks are misses until a "
             "check passes (one every %g s)",
-            self.engine.name,
+            self.engine_name,
             self.degraded,
             PROBE_S,
         )
@@ -440,11 +439,11 @@ class AdapterTier:
         """A check through ``client`` passed: serve through it again."""
         since = self._down_since
         with self._lock:
-            self._client, self.degraded = client, None
+            self._client, self._down = client, None
             self._failures = 0
         logger.warning(
             "lmcache_tiered: cold store (%s) back after %.0f s (down since %s)",
-            self.engine.name,
+            self.engine_name,
             time.time() - since,
             _clock(since),
         )
@@ -458,13 +457,13 @@ class AdapterTier:
             if self.writes_refused is not None or self.degraded is not None:
                 return
             self._refused_since = time.time()
-            self.writes_refused = f"since {_clock(self._refused_since)}: {why}"
+            self._refused = f"since {_clock(self._refused_since)}: {why}"
             client, self._client = self._client, None
         logger.warning(
             "lmcache_tiered: cold store (%s) refuses writes %s; its chunks are "
             "still served, writes to it are dropped until a check's write "
             "passes (one every %g s)",
-            self.engine.name,
+            self.engine_name,
             self.writes_refused,
             PROBE_S,
         )
@@ -477,12 +476,12 @@ class AdapterTier:
 
     def _takes_writes(self) -> None:
         with self._lock:
-            if self.writes_refused is None:
+            if self._refused is None:
                 return
-            self.writes_refused = None
+            self._refused = None
         logger.warning(
             "lmcache_tiered: cold store (%s) takes writes again after %.0f s",
-            self.engine.name,
+            self.engine_name,
             time.time() - self._refused_since,
         )
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered.io.base import ALIGN
+from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.layout import RecordHeader
 
 #: Allocates the MemoryObj a record is read into; None when memory is short.
@@ -30,7 +30,7 @@ class Payload:
     ``direct`` means ``view`` is 4 KiB aligned, so O_DIRECT can use it as is.
     """
 
-    key: CacheEngineKey
+    key: StoreKey
     shape: torch.Size
     dtype: torch.dtype
     fmt: MemoryFormat
@@ -38,7 +38,7 @@ class Payload:
     direct: bool
 
     @staticmethod
-    def of(key: CacheEngineKey, obj: MemoryObj) -> Payload:
+    def of(key: StoreKey, obj: MemoryObj) -> Payload:
         return Payload(
             key,
             obj.get_shape(),

@@ -23,18 +23,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from functools import partial
 
-from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_tiered.config import ConfigError, TierOptions
 from lmcache_tiered.io import IOEngine, aligned_buffer
 from lmcache_tiered.io.base import ALIGN, IORequest
-from lmcache_tiered.keys import key_digest
+from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import TierStats
+from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.checks import VERIFIERS, CheckBatch
 from lmcache_tiered.storage.health import TierHealth
 from lmcache_tiered.storage.index import Entry, SlotIndex
@@ -59,7 +59,7 @@ _GROW_SLOTS = 64
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-class Tier:
+class Tier(StorageTier):
     """A striped, O_DIRECT, crash-consistent store of KV chunks.
 
     ``owner`` names this process's files (one slab per device and one header
@@ -107,8 +107,6 @@ class Tier:
         self._lock = threading.Lock()
         #: what is stored where; read or change it only under the tier's lock
         self.index = SlotIndex(self._capacity_slots)
-        #: called (outside the lock) with the keys evicted by a write
-        self.on_evict: Callable[[list[CacheEngineKey]], None] | None = None
         names = TierNames(options.paths, owner)
         self.files = TierFileSet(
             options, names, self.geometry, self.stats, read_only=read_only
@@ -145,8 +143,17 @@ class Tier:
         self.files.engine = engine
 
     @property
+    def engine_name(self) -> str:
+        return self.engine.name
+
+    @property
     def direct_io(self) -> bool:
         return self.files.direct_io
+
+    def register_buffers(self, regions: Sequence[memoryview]) -> bool:
+        """Fixed buffers for the tier's engine, where it takes them."""
+        engine = self.engine
+        return engine.supports_fixed_buffers and engine.register_buffers(regions)
 
     @property
     def degraded(self) -> str | None:
@@ -184,11 +191,7 @@ class Tier:
 
     # ---------------------------------------------------------------- index
 
-    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        """Whether the key is stored; refreshes its recency, pins on request."""
-        return self.touch([key], pin) == 1
-
-    def touch(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
+    def touch(self, keys: Sequence[StoreKey], pin: bool = False) -> int:
         """Refresh the recency of the stored ``keys`` (pin them on request);
         returns how many are stored (see :meth:`SlotIndex.touch`). A
         degraded tier holds nothing."""
@@ -197,31 +200,31 @@ class Tier:
                 return 0
             return self.index.touch(keys, pin)
 
-    def header(self, key: CacheEngineKey) -> RecordHeader | None:
+    def header(self, key: StoreKey) -> RecordHeader | None:
         if self.degraded is not None:
             return None
         entry = self.index.get(key)
         return None if entry is None else entry.header
 
-    def stored_keys(self) -> list[CacheEngineKey]:
+    def stored_keys(self) -> list[StoreKey]:
         with self._lock:
             if self.degraded is not None:
                 return []
             return [e.header.key for e in self.index]
 
-    def pin(self, key: CacheEngineKey) -> bool:
+    def pin(self, key: StoreKey) -> bool:
         return self.contains(key, pin=True)
 
-    def unpin(self, key: CacheEngineKey) -> bool:
+    def unpin(self, key: StoreKey) -> bool:
         with self._lock:
             return self.index.unpin(key)
 
-    def remove(self, key: CacheEngineKey) -> bool:
+    def remove(self, key: StoreKey) -> bool:
         """Forget a record; its slot is reused once no read is using it."""
         with self._lock:
             return self.index.remove(key)
 
-    def victims(self, count: int) -> list[CacheEngineKey]:
+    def victims(self, count: int) -> list[StoreKey]:
         """The keys that storing ``count`` more chunks would evict now, in
         eviction order (for demotion to a lower tier before they go)."""
         with self._lock:
@@ -232,7 +235,7 @@ class Tier:
     # ---------------------------------------------------------------- reads
 
     def read(
-        self, keys: Sequence[CacheEngineKey], allocate: Allocator
+        self, keys: Sequence[StoreKey], allocate: Allocator
     ) -> list[MemoryObj | None]:
         """Read every key in one batch; None for each miss or bad record.
 
@@ -257,7 +260,7 @@ class Tier:
                 objs[i] = None
         return objs
 
-    def read_payloads(self, keys: Sequence[CacheEngineKey]) -> list[Payload | None]:
+    def read_payloads(self, keys: Sequence[StoreKey]) -> list[Payload | None]:
         """Read records into fresh aligned buffers (tier-to-tier copies)."""
         with self.health.in_use() as usable:
             if not usable:
@@ -326,7 +329,7 @@ class Tier:
         took = time.perf_counter() - started
         checks.start(index, self._finish_read, entry, transfer, landing, view, took)
 
-    def _begin_reads(self, keys: Sequence[CacheEngineKey]) -> list[Entry | None]:
+    def _begin_reads(self, keys: Sequence[StoreKey]) -> list[Entry | None]:
         with self._lock:
             entries = self.index.begin_reads(keys)
             self.stats.misses += entries.count(None)
@@ -383,14 +386,14 @@ class Tier:
 
     # --------------------------------------------------------------- writes
 
-    def write(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+    def write(self, items: Sequence[tuple[StoreKey, MemoryObj]]) -> list[bool]:
         """Store LMCache MemoryObjs; see :meth:`write_payloads`."""
         return self.write_payloads([Payload.of(key, obj) for key, obj in items])
 
     def write_payloads(
         self,
         payloads: Sequence[Payload],
-        evict_only: Collection[CacheEngineKey] | None = None,
+        evict_only: Collection[StoreKey] | None = None,
     ) -> list[bool]:
         """Store a batch; True for each key that is stored when this returns.
 
@@ -422,7 +425,7 @@ class Tier:
         with self._lock:
             last_sequence = self.index.reserve_sequences(len(payloads))
         taken: list[tuple[int, int, Payload, Transfer]] = []
-        evicted: list[CacheEngineKey] = []
+        evicted: list[StoreKey] = []
         seen: set[bytes] = set()
         for i, payload in enumerate(payloads):
             digest = key_digest(payload.key)
@@ -511,7 +514,7 @@ class Tier:
         return [all([next(flags) for _ in t.requests]) for _, _, t in per_record]
 
     def _take_slot(
-        self, evicted: list[CacheEngineKey], allowed: set[bytes] | None
+        self, evicted: list[StoreKey], allowed: set[bytes] | None
     ) -> int | None:
         """A free slot: a released one, a new one, or the first eviction
         candidate's (whose key is appended to ``evicted``); victims only from

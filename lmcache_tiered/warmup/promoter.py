@@ -50,8 +50,8 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache_tiered._lmcache import watch_first_use
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
+from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.payload import Payload
-from lmcache_tiered.storage.tier_protocol import StorageTier
 from lmcache_tiered.warmup.base import (
     TIER_RANK,
     CacheView,
