@@ -41,7 +41,7 @@ def key_text(key: StoreKey) -> str:
             f"@{key.object_group_id:x}@{key.chunk_hash.hex()}"
         )
         return f"{text}@{key.cache_salt}" if key.cache_salt else text
-    return key.to_string()
+    return str(key.to_string())
 
 
 @functools.lru_cache(maxsize=DIGESTS_REMEMBERED)

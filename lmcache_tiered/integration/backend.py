@@ -41,7 +41,8 @@ from lmcache_tiered._lmcache import (
     before_cpu_pool_frees,
     cpu_pool_buffer,
 )
-from lmcache_tiered.cache.tiered_cache import PutCallback, TieredCache
+from lmcache_tiered.cache.tiered_cache import TieredCache
+from lmcache_tiered.cache.writer import PutCallback
 from lmcache_tiered.config import ConfigError, TieredConfig, setting_key
 from lmcache_tiered.metrics import WarmupStats, collector
 from lmcache_tiered.warmup.hints import HintServer
@@ -51,7 +52,7 @@ logger = logging.getLogger("lmcache_tiered")
 
 def full_chunk_bytes(metadata: LMCacheMetadata) -> int:
     """Bytes of one full KV chunk: the slot size when tiered.slot_mb is unset."""
-    return math.prod(metadata.kv_shape) * metadata.kv_dtype.itemsize
+    return int(math.prod(metadata.kv_shape) * metadata.kv_dtype.itemsize)
 
 
 def _hint_port(base: int, metadata: LMCacheMetadata | None) -> int:
@@ -60,7 +61,7 @@ def _hint_port(base: int, metadata: LMCacheMetadata | None) -> int:
     each holds its own shard of every chunk."""
     if base == 0 or metadata is None:
         return base
-    return base + metadata.local_worker_id
+    return int(base + metadata.local_worker_id)
 
 
 def registrable_pool(hot: LocalCPUBackend, mode: str) -> tuple[int, int] | None:
@@ -275,7 +276,7 @@ class TieredBackend(StoragePluginInterface):
 
     def get_non_blocking(
         self, key: CacheEngineKey, location: str | None = None
-    ) -> Future | None:
+    ) -> Future[None] | None:
         if not self.contains(key):
             return None
         return self._readers.submit(self.get_blocking, key)
@@ -300,9 +301,8 @@ class TieredBackend(StoragePluginInterface):
         finally:
             for key in self._async_pins.pop(lookup_id, []):
                 self.unpin(key)
-        prefix = cast(
-            list[MemoryObj],
-            list(itertools.takewhile(lambda obj: obj is not None, objs)),
+        prefix: list[MemoryObj] = list(
+            itertools.takewhile(lambda obj: obj is not None, objs)
         )
         for obj in objs[len(prefix) :]:
             if obj is not None:
@@ -319,7 +319,7 @@ class TieredBackend(StoragePluginInterface):
         objs: list[MemoryObj],
         transfer_spec: Any = None,
         on_complete_callback: PutCallback | None = None,
-    ) -> list[Future] | None:
+    ) -> list[Future[None]] | None:
         """Queue the batch for the writer thread and return at once."""
         if self.cache is not None:
             self.cache.put(keys, objs, on_complete_callback)

@@ -367,13 +367,13 @@ class TieredL2Adapter(L2Ledger):
     # ------------------------------------------------------------- event fds
 
     def get_store_event_fd(self) -> int:
-        return self._store_efd.fileno()
+        return int(self._store_efd.fileno())
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_efd.fileno()
+        return int(self._lookup_efd.fileno())
 
     def get_load_event_fd(self) -> int:
-        return self._load_efd.fileno()
+        return int(self._load_efd.fileno())
 
     # ---------------------------------------------------------------- submit
 

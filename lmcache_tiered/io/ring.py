@@ -35,6 +35,7 @@ import platform
 import struct
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 # System call numbers: the same on x86-64 and aarch64 (and every other
 # architecture with the unified table).
@@ -208,7 +209,7 @@ class _Word:
     __slots__ = ("_words", "_index", "_address", "_atomics")
 
     def __init__(
-        self, words: memoryview, base: int, offset: int, atomics: tuple | None
+        self, words: memoryview, base: int, offset: int, atomics: tuple[Any, Any] | None
     ) -> None:
         self._words, self._index = words, offset // 4
         self._address = base + offset
@@ -267,7 +268,7 @@ class Ring:
         self._words = memoryview(rings).cast("I")
         self._sqes = memoryview(sqes)
         self._cq_bytes = memoryview(rings)
-        self.sq_entries = params.sq_entries
+        self.sq_entries = int(params.sq_entries)
         self.cq_entries = params.cq_entries
         self._sq_mask = self._words[sq.ring_mask // 4]
         self._cq_mask = self._words[cq.ring_mask // 4]

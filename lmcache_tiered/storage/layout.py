@@ -294,7 +294,7 @@ class Geometry:
         if len(block) < _SUPER.size + _CRC.size or block[:8] != SUPER_MAGIC:
             return False
         (stored_crc,) = _CRC.unpack_from(block, _SUPER.size)
-        return zlib.crc32(block[: _SUPER.size]) == stored_crc
+        return bool(zlib.crc32(block[: _SUPER.size]) == stored_crc)
 
     @staticmethod
     def decode_superblock(block: bytes | memoryview) -> Geometry | None:

@@ -153,7 +153,7 @@ def send_hint(
     try:
         request = urllib.request.Request(url, body, headers, method="POST")
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return 200 <= response.status < 300
+            return bool(200 <= response.status < 300)
     except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts, bad URL
         logger.debug("lmcache_tiered: hint to %s not delivered: %s", url, exc)
         return False

@@ -355,7 +355,7 @@ class FrequencyPolicy(_Planner):
         self._next_scan = float("-inf")
 
     def _decayed(self, count: _Count, now: float) -> float:
-        return count.value * 0.5 ** ((now - count.at) / self.half_life_s)
+        return count.value * float(0.5 ** ((now - count.at) / self.half_life_s))
 
     def _access(self, keys: Iterable[StoreKey]) -> list[Plan]:
         now = self.view.now()
