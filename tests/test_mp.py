@@ -61,12 +61,15 @@ from lmcache.v1.platform import consume_fd
 
 from lmcache_tiered._lmcache import object_key_to_string
 from lmcache_tiered.cache import writer
-from lmcache_tiered.cache.tiered_cache import TieredCache
+from lmcache_tiered.cache.tiered_cache import TieredCache, tier_owner
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
 from lmcache_tiered.integration.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.uring import UringEngine
 from lmcache_tiered.keys import key_digest, key_from_string, key_text
+from lmcache_tiered.storage.files import try_lock
+from lmcache_tiered.storage.layout import TierNames
+from lmcache_tiered.storage.tierfiles import TierFileSet
 
 #: Two object groups, as vLLM's MP connector lays out hybrid models.
 LAYOUT = MemoryLayoutDesc(
@@ -1053,6 +1056,37 @@ def test_a_second_adapter_on_the_same_directories_is_refused_at_start(
     finally:
         first.close()
     TieredL2Adapter(params(device_dirs, io_engine="threads")).close()  # free again
+
+
+def test_the_tiers_adopt_the_held_lock_with_no_gap(
+    device_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directories held from the start are handed to the tiers as they
+    open: the lock file is never free in between, so no second server can
+    take it there (issue 51: the adapter released its locks just before its
+    tiers took them again)."""
+    first = TieredL2Adapter(params(device_dirs, io_engine="threads"))
+    settings = first.settings
+    lock = TierNames(settings.warm.paths, tier_owner("warm", OWNER, settings)).lock
+    free_when_opening: list[bool] = []
+    opening = TierFileSet.open
+
+    def probe_then_open(self: TierFileSet, *args: Any) -> None:
+        fd = os.open(lock, os.O_RDWR)  # another open file: another server
+        try:
+            free_when_opening.append(try_lock(fd))
+        finally:
+            os.close(fd)
+        opening(self, *args)
+
+    monkeypatch.setattr(TierFileSet, "open", probe_then_open)
+    try:
+        assert Caller(first).store([okey(1)], [memory_obj(seed=1)])
+        assert free_when_opening == [False]
+        with pytest.raises(ConfigError, match="by live process"):
+            TieredL2Adapter(params(device_dirs, io_engine="threads"))
+    finally:
+        first.close()
 
 
 def test_servers_of_two_hosts_share_a_cold_tier_from_the_start(

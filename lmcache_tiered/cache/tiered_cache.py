@@ -47,7 +47,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -62,6 +62,7 @@ from lmcache_tiered.config import ConfigError, TieredConfig, TierSettings, setti
 from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.adapter_tier import AdapterTier
 from lmcache_tiered.storage.base import StorageTier
+from lmcache_tiered.storage.directories import DirectoryHold
 from lmcache_tiered.storage.layout import RecordHeader
 from lmcache_tiered.storage.tier import Allocator, Payload, Tier
 from lmcache_tiered.warmup import CacheView, load_policy
@@ -122,6 +123,8 @@ class TieredCache:
     ``hot`` is LMCache's CPU tier in-process; the multi-process adapter has
     none (plans for hot then go to warm, see the promoter). ``allocate`` gives
     memory for reads that bring no buffers of their own (``read(into=None)``).
+    ``holds``: tiers' directories this process already holds; each tier
+    adopts its lock as it opens.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class TieredCache:
         local_workers: int,
         hot: LocalCPUBackend | None,
         allocate: Allocator | None = None,
+        holds: Mapping[str, DirectoryHold] | None = None,
     ) -> None:
         self.settings = settings
         self.hot = hot
@@ -147,6 +151,7 @@ class TieredCache:
                 ("cold", settings.cold),
             ]
             files: dict[TierName, Tier] = {}
+            holds = holds or {}
             for name, tier_settings in levels:
                 if tier_settings is None:
                     continue
@@ -156,6 +161,7 @@ class TieredCache:
                     max_payload=max_payload,
                     # the cap is for the host: each local worker gets a share
                     capacity_bytes=tier_settings.capacity_bytes // local_workers,
+                    held_lock=None if name not in holds else holds[name].adopt,
                 )
             #: always files: the store asks for its victims, the L2 adapter
             #: for its geometry
@@ -285,6 +291,15 @@ class TieredCache:
     def hint(self, keys: Sequence[StoreKey], deadline: float | None) -> None:
         """An arrival hint: ``keys`` of a request not yet scheduled."""
         self._plan(self.policy.on_hint, keys, deadline)
+
+    def describe(self) -> str:
+        """The tiers and the policy, for the faces' one ready line."""
+        tiers = ", ".join(
+            f"{name} {len(t.paths)} path(s), {len(t)} chunks, "
+            f"engine {t.engine_name}, O_DIRECT {t.direct_io}"
+            for name, t in self.tiers.items()
+        )
+        return f"{tiers}; warm-up policy {self.settings.warmup_policy}"
 
     # ---------------------------------------------------------------- lookups
 

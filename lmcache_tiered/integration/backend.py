@@ -175,13 +175,8 @@ class TieredBackend(StoragePluginInterface):
             )
             return
         logger.info(
-            "lmcache_tiered: TieredBackend ready: %s; warm-up policy %s%s",
-            ", ".join(
-                f"{name} {len(t.paths)} path(s), {len(t)} chunks, "
-                f"engine {t.engine_name}, O_DIRECT {t.direct_io}"
-                for name, t in self.cache.tiers.items()
-            ),
-            self.settings.warmup_policy,
+            "lmcache_tiered: TieredBackend ready: %s%s",
+            self.cache.describe(),
             "" if self.hint_server is None else f", hints at {self.hint_server.url}",
         )
 

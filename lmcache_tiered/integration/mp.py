@@ -8,67 +8,43 @@ Enable it on the server's command line::
         "adapter_params": {"warm.paths": ["/mnt/nvme0/kv", "/mnt/nvme1/kv"],
                            "warm.capacity_gb": 500}}'
 
-``adapter_params`` take the YAML path's ``tiered.*`` settings by the same
-names, without the prefix; they are parsed by the same
-:meth:`TieredConfig.from_extra_config`. LMCache finds
-:class:`TieredL2AdapterConfig` by its name (class name + ``Config``) and
-builds it in the server, where a bad setting (the warm-up policy and its
-parameters included) stops the start-up with a clear error instead of a
-silently missing tier.
+``adapter_params`` are the YAML's ``tiered.*`` settings without the prefix
+(:mod:`lmcache_tiered.integration.l2_config`); a bad one stops the server's
+start-up with a clear error instead of a silently missing tier.
 
-The adapter runs on the same :class:`~lmcache_tiered.cache.tiered_cache.TieredCache` as
-the in-process plugin: warm and cold tiers, write-back demotion (or
-write-through), the cold tier shared by several hosts, the warm-up policy and
-its promoter. This module only translates LMCache's L2 protocol
+The adapter runs on the same
+:class:`~lmcache_tiered.cache.tiered_cache.TieredCache` as the in-process
+plugin; this module only translates LMCache's L2 protocol
 (``lmcache/v1/distributed/l2_adapters/base.py``, lmcache 0.5.6 and 0.5.7)
-into cache calls:
+into cache calls (:mod:`lmcache_tiered.integration.l2_work`):
 
-* Keys are ``ObjectKey``; the tiers store them under their canonical text
-  (:func:`lmcache_tiered.keys.key_text`), so a restarted server serves them.
-* Buffers belong to LMCache's L1 and stay theirs: the tiers read into and
-  write from a flat byte view of each object (:func:`borrow`), never keeping
-  a reference nor changing its count. A store task is reported done only
-  once its chunks are written (payload, then header); a cold hit is copied
-  out of the caller's buffer before the load is reported, for its copy to
-  warm.
-* Work runs on three threads (store, lookup/unlock, load:
-  :class:`lmcache_tiered.cache.writer.BatchWorker`), so a long store batch never
-  delays a lookup, and a load's reads go to the devices before the stores'
-  writes (the I/O engines start reads first); each thread takes every task
-  queued so far as one cache call, so one call's I/O keeps all devices busy,
-  stores up to :data:`~lmcache_tiered.cache.writer.WRITE_BATCH_BYTES` a
-  call: LMCache keeps a store task's L1 objects locked until it is reported,
-  so a backlog is released as it is written, not all at its end. A
-  thread signals the operation's event fd once the results it produced are
-  queryable; ``submit_*`` calls only queue.
-* Lookup-and-lock pins each chunk found in the tier that holds it (a pinned
-  chunk is never evicted); unlock unpins. Lookups are the warm-up policy's
-  signal, one call per row of keys (model, kv rank, object group, salt:
-  one prefix chain), and stores teach it the chains; there is no LMCache
-  CPU tier below the adapter, so promotions go to warm.
-* Touches (lmcache 0.5.7: the prefixes LMCache's L1 already holds, at each
-  lookup and at each request's end) are lookups without pins, queued on the
-  lookup thread: they keep those chunks recent in our tiers and reach the
-  warm-up policy, so a prefix served from L1 is neither evicted from warm
-  nor unknown to the policy when L1 drops it.
+* Keys are ``ObjectKey``, stored under their canonical text, so a restarted
+  server serves them. Buffers stay LMCache's: the tiers read into and write
+  from a flat byte view of each object, never keeping a reference.
+* Three threads (store, lookup/unlock/touch, load) each take every task
+  queued so far as one cache call, so a long store batch never delays a
+  lookup, one call's I/O keeps all devices busy, and stores go out up to
+  :data:`~lmcache_tiered.cache.writer.WRITE_BATCH_BYTES` a call (LMCache
+  keeps a store task's L1 objects locked until it is reported). A thread
+  signals its operation's event fd once its results are queryable;
+  ``submit_*`` calls only queue. A store task is reported done once its
+  chunks are written (payload, then header).
+* Lookup-and-lock pins each chunk found where it is; unlock unpins. Lookups
+  and touches (0.5.7: prefixes LMCache's L1 holds) are the warm-up policy's
+  signal, one prefix chain per row of keys; there is no LMCache CPU tier
+  below the adapter, so promotions go to warm.
 * LMCache's listeners and usage counters see a chunk as stored while some
-  tier of ours holds it: a demotion to cold is no deletion, a chunk that
-  leaves its last tier (eviction, bad record, ``delete``) is one. Each chunk
-  is charged one warm slot on disk. That record, and the key listing, are
-  :class:`lmcache_tiered.integration.l2_ledger.L2Ledger`'s, the adapter's base class.
+  tier of ours holds it (:class:`lmcache_tiered.integration.l2_ledger.L2Ledger`,
+  the adapter's base class); each chunk is charged one warm slot on disk.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import (
     MemoryLayoutDesc,
@@ -79,150 +55,38 @@ from lmcache.v1.distributed.internal_api import (
     L2StoreResult,
 )
 from lmcache.v1.distributed.l2_adapters.base import L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import (
     MemoryObj,
-    MemoryObjMetadata,
-    TensorMemoryObj,
 )
-from lmcache.v1.platform import create_event_notifier
 
 from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.cache import writer
-from lmcache_tiered.cache.tiered_cache import (
-    EmptyView,
-    TieredCache,
-    load_configured_policy,
-    tier_owner,
-)
+from lmcache_tiered.cache.tiered_cache import TieredCache, tier_owner
 from lmcache_tiered.cache.writer import BatchWorker
-from lmcache_tiered.config import PREFIX, SETTINGS, ConfigError, TieredConfig
+from lmcache_tiered.config import PREFIX
+from lmcache_tiered.integration.l2_config import TieredL2AdapterConfig, capacity_bytes
 from lmcache_tiered.integration.l2_ledger import L2Ledger
+from lmcache_tiered.integration.l2_work import (
+    Channel,
+    LookupJob,
+    Task,
+    Touch,
+    Unlock,
+    borrow,
+    load_tasks,
+    lookup,
+    store_tasks,
+)
 from lmcache_tiered.storage.base import StorageTier
-from lmcache_tiered.storage.layout import TierNames, read_superblock
-from lmcache_tiered.storage.payload import Payload
-from lmcache_tiered.storage.tierfiles import open_tier_file, take_lock
+from lmcache_tiered.storage.directories import DirectoryHold, recorded_max_payload
+
+__all__ = ["OWNER", "TieredL2Adapter", "TieredL2AdapterConfig", "borrow"]
 
 logger = logging.getLogger("lmcache_tiered")
 
 #: File owner name of the adapter's tiers: one server process per host owns
 #: them, holding every kv rank (the in-process plugin's are ``kv-w<worker>``).
 OWNER = "kv-mp"
-
-
-class TieredL2AdapterConfig(L2AdapterConfigBase):
-    """The adapter's ``adapter_params``: the ``tiered.*`` settings, no prefix."""
-
-    def __init__(self, settings: TieredConfig) -> None:
-        self.settings = settings
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TieredL2AdapterConfig:
-        """Parse ``adapter_params``; names copied with the prefix also work."""
-        extra = {k if k.startswith(PREFIX) else PREFIX + k: v for k, v in d.items()}
-        try:
-            settings = TieredConfig.from_extra_config(extra)
-            # Built and dropped to check the policy's name and parameters now:
-            # the real one is built when the tiers open, maybe at the first
-            # store (when the slot size is known), long after start-up.
-            load_configured_policy(settings, EmptyView())
-            return cls(settings)
-        except ConfigError as exc:
-            # name settings as the user wrote them: without the prefix
-            text = re.sub(rf"(?<![\w/.]){re.escape(PREFIX)}", "", str(exc))
-            raise ConfigError(f"TieredL2Adapter adapter_params: {text}") from None
-
-    @classmethod
-    def help(cls) -> str:
-        lines = [f"- {name}: {setting.help}" for name, setting in SETTINGS.items()]
-        head = "TieredL2Adapter adapter_params (the YAML's tiered.* settings):"
-        return "\n".join([head, *lines])
-
-
-def borrow(obj: MemoryObj) -> TensorMemoryObj | None:
-    """A flat ``uint8`` MemoryObj over ``obj``'s memory, or None if it is not
-    contiguous CPU memory.
-
-    The tier records the view's shape and dtype; the view has no allocator,
-    so the caller's object is never freed or changed in count. Multi-group L1
-    objects (whose ``get_shape()`` is only the first group's) are stored as
-    plain bytes of their full size.
-    """
-    raw = getattr(obj, "raw_data", None)
-    if not isinstance(raw, torch.Tensor) or raw.device.type != "cpu":
-        return None
-    if not raw.is_contiguous():
-        return None
-    data = raw.view(-1).view(torch.uint8)
-    size = obj.get_size()
-    meta = MemoryObjMetadata(
-        shape=torch.Size([size]),
-        dtype=torch.uint8,
-        address=0,
-        phy_size=data.numel(),
-        ref_count=1,
-        fmt=obj.get_memory_format(),
-    )
-    return TensorMemoryObj(data, meta, parent_allocator=None)
-
-
-def recorded_slot_bytes(path: str) -> int | None:
-    """Slot size the adapter's tier under ``path`` was formatted with, if any:
-    the default when ``slot_mb`` is not set, so a restart keeps its data."""
-    geometry = read_superblock(TierNames((path,), OWNER).header)
-    return None if geometry is None else geometry.max_payload
-
-
-@dataclass(slots=True)
-class _Task:
-    """One submitted store, lookup-and-lock or load task."""
-
-    task_id: L2TaskId
-    keys: list[ObjectKey]
-    objects: list[MemoryObj]
-
-
-@dataclass(slots=True)
-class _Unlock:
-    """An unlock: no task id, no result."""
-
-    keys: list[ObjectKey]
-
-
-@dataclass(slots=True)
-class _Touch:
-    """A touch: a lookup without pins, no task id, no result."""
-
-    keys: list[ObjectKey]
-
-
-#: what the lookup thread runs, in the order submitted
-_LookupJob = _Task | _Unlock | _Touch
-
-
-def _rows(keys: Sequence[ObjectKey]) -> list[range]:
-    """Index ranges of the runs of ``keys`` with one model, kv rank, object
-    group and salt. LMCache puts a request's rows (one per object group and
-    kv rank) into one task; each row is a prefix chain of its own."""
-    rows: list[range] = []
-    start = 0
-    for i in range(1, len(keys) + 1):
-        if i == len(keys) or _row_of(keys[i]) != _row_of(keys[start]):
-            rows.append(range(start, i))
-            start = i
-    return rows
-
-
-def _row_of(key: ObjectKey) -> tuple[str, int, int, str]:
-    return key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
-
-
-def capacity_bytes(settings: TieredConfig) -> int:
-    """Most bytes of distinct chunks the tiers hold, as LMCache's usage counts
-    them (each chunk once): with write-through warm only holds copies."""
-    warm = settings.warm.capacity_bytes
-    cold = 0 if settings.cold is None else settings.cold.capacity_bytes
-    return max(warm, cold) if settings.cold_write_through else warm + cold
 
 
 class TieredL2Adapter(L2Ledger):
@@ -246,34 +110,32 @@ class TieredL2Adapter(L2Ledger):
         self.settings = settings
         self._l1_memory_desc = l1_memory_desc
         #: None until the slot size is known (see _open_cache)
-        self.cache = None
-        #: the tiers' lock files, held until the tiers open (_hold_directories)
-        self._held: list[int] = []
-        slot = settings.slot_bytes or recorded_slot_bytes(settings.warm.paths[0])
+        self.cache: TieredCache | None = None
+        #: the tiers' directories, held until the tiers open and adopt them
+        self._holds = self._hold_directories()
+        warm = settings.warm
+        slot = settings.slot_bytes or recorded_max_payload(
+            warm.paths, tier_owner(warm.name, OWNER, settings)
+        )
         if slot is not None:
             self._open_cache(slot)
-        else:
-            self._held = self._hold_directories()
         self._lock = threading.Lock()
         self._closed = False
         self._next_task_id: L2TaskId = 0
-        self._stores: dict[L2TaskId, L2StoreResult] = {}
-        self._lookups: dict[L2TaskId, Bitmap] = {}
-        self._loads: dict[L2TaskId, Bitmap] = {}
-        self._store_efd = create_event_notifier()
-        self._lookup_efd = create_event_notifier()
-        self._load_efd = create_event_notifier()
-        self._stores_worker = BatchWorker[_Task](
-            "lmcache-tiered-l2-store",
-            self._run_stores,
-            weigh=lambda task: sum(obj.get_size() for obj in task.objects),
-            max_weight=writer.WRITE_BATCH_BYTES,
+        self._stores = Channel[Task, L2StoreResult](
+            self._lock,
+            BatchWorker(
+                "lmcache-tiered-l2-store",
+                self._run_stores,
+                weigh=lambda task: sum(obj.get_size() for obj in task.objects),
+                max_weight=writer.WRITE_BATCH_BYTES,
+            ),
         )
-        self._lookups_worker = BatchWorker[_LookupJob](
-            "lmcache-tiered-l2-lookup", self._run_lookups
+        self._lookups = Channel[LookupJob, Bitmap](
+            self._lock, BatchWorker("lmcache-tiered-l2-lookup", self._run_lookups)
         )
-        self._loads_worker = BatchWorker[_Task](
-            "lmcache-tiered-l2-load", self._run_loads
+        self._loads = Channel[Task, Bitmap](
+            self._lock, BatchWorker("lmcache-tiered-l2-load", self._run_loads)
         )
         if settings.hint_port >= 0:
             logger.warning(
@@ -282,14 +144,11 @@ class TieredL2Adapter(L2Ledger):
                 "drive warm-up (a router can POST the server's /cache/prefetches)"
             )
         logger.info(
-            "lmcache_tiered: TieredL2Adapter ready: %s; warm-up policy %s",
-            ", ".join(
-                f"{t.name} {len(t.paths)} path(s), {len(t)} chunks, "
-                f"engine {t.engine_name}, O_DIRECT {t.direct_io}"
-                for t in self.tiers
-            )
-            or "tiers open at the first store (slot size from its objects)",
-            settings.warmup_policy,
+            "lmcache_tiered: TieredL2Adapter ready: %s",
+            self.cache.describe()
+            if self.cache is not None
+            else "tiers open at the first store (slot size from its objects); "
+            f"warm-up policy {settings.warmup_policy}",
         )
 
     # ---------------------------------------------------------------- tiers
@@ -300,45 +159,37 @@ class TieredL2Adapter(L2Ledger):
         cache = self.cache
         return [] if cache is None else list(cache.tiers.values())
 
-    def _hold_directories(self) -> list[int]:
-        """Lock the tiers' lock files now, though the tiers open only at the
-        first store (when the slot size is known): a second server on these
-        directories is refused at its start, naming the holder, instead of
-        starting healthy and failing every store."""
-        held: list[int] = []
+    def _hold_directories(self) -> dict[str, DirectoryHold]:
+        """Hold the tiers' directories now, though the tiers may open only at
+        the first store (when the slot size is known): a second server on
+        them is refused at its start, naming the holder, instead of starting
+        healthy and failing every store."""
+        holds: dict[str, DirectoryHold] = {}
         try:
             for tier in (self.settings.warm, self.settings.cold):
-                if tier is None:
-                    continue
-                owner = tier_owner(tier.name, OWNER, self.settings)
-                name = TierNames(tier.paths, owner).lock
-                setting = f"{PREFIX}{tier.name}.paths"
-                flags = os.O_RDWR | os.O_CREAT
-                held.append(
-                    open_tier_file(name, flags, self.settings.file_mode, setting)
-                )
-                take_lock(held[-1], setting, name)
+                if tier is not None:
+                    holds[tier.name] = DirectoryHold(
+                        tier.paths,
+                        tier_owner(tier.name, OWNER, self.settings),
+                        setting=f"{PREFIX}{tier.name}.paths",
+                        file_mode=self.settings.file_mode,
+                    )
         except BaseException:
-            self._release_directories(held)
+            for hold in holds.values():
+                hold.release()
             raise
-        return held
-
-    @staticmethod
-    def _release_directories(held: list[int]) -> None:
-        for fd in held:
-            os.close(fd)
-        held.clear()
+        return holds
 
     def _open_cache(self, max_payload: int) -> None:
         """Open the cache, its tiers with slots of ``max_payload`` bytes (they
-        take over the locks :meth:`_hold_directories` held)."""
-        self._release_directories(self._held)
+        adopt the locks :meth:`_hold_directories` took, with no gap between)."""
         cache = TieredCache(
             self.settings,
             owner=OWNER,
             max_payload=max_payload,
             local_workers=1,
             hot=None,  # LMCache's L1 is above us; loads bring their buffers
+            holds=self._holds,
         )
         desc = self._l1_memory_desc
         if desc is not None and desc.stable_registration_size:
@@ -367,19 +218,19 @@ class TieredL2Adapter(L2Ledger):
     # ------------------------------------------------------------- event fds
 
     def get_store_event_fd(self) -> int:
-        return int(self._store_efd.fileno())
+        return self._stores.fileno()
 
     def get_lookup_and_lock_event_fd(self) -> int:
-        return int(self._lookup_efd.fileno())
+        return self._lookups.fileno()
 
     def get_load_event_fd(self) -> int:
-        return int(self._load_efd.fileno())
+        return self._loads.fileno()
 
     # ---------------------------------------------------------------- submit
 
     def _submit(
         self,
-        worker: BatchWorker[_Task] | BatchWorker[_LookupJob],
+        worker: BatchWorker[Task] | BatchWorker[LookupJob],
         keys: list[ObjectKey],
         objects: list[MemoryObj],
     ) -> L2TaskId:
@@ -389,7 +240,7 @@ class TieredL2Adapter(L2Ledger):
             task_id = self._next_task_id
             self._next_task_id += 1
             # queued under the lock, so close() stops the workers after it
-            worker.put(_Task(task_id, list(keys), list(objects)))
+            worker.put(Task(task_id, list(keys), list(objects)))
         return task_id
 
     def submit_store_task(
@@ -397,29 +248,26 @@ class TieredL2Adapter(L2Ledger):
     ) -> L2TaskId:
         if len(objects) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-        return self._submit(self._stores_worker, keys, objects)
+        return self._submit(self._stores.worker, keys, objects)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            done, self._stores = self._stores, {}
-        return done
+        return self._stores.pop_all()
 
     def submit_lookup_and_lock_task(
         self,
         keys: list[ObjectKey],
         group_layout_descs: dict[int, MemoryLayoutDesc],
     ) -> L2TaskId:
-        return self._submit(self._lookups_worker, keys, [])
+        return self._submit(self._lookups.worker, keys, [])
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._lookups.pop(task_id, None)
+        return self._lookups.pop(task_id)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Queued behind earlier lookups, so it always follows their locks."""
         with self._lock:
             if not self._closed:
-                self._lookups_worker.put(_Unlock(list(keys)))
+                self._lookups.worker.put(Unlock(list(keys)))
 
     def submit_touch(self, keys: list[ObjectKey]) -> None:
         """Refresh ``keys`` (held by LMCache's L1, some maybe by us too) for
@@ -429,22 +277,21 @@ class TieredL2Adapter(L2Ledger):
         self._notify_keys_accessed(keys)
         with self._lock:
             if not self._closed:
-                self._lookups_worker.put(_Touch(list(keys)))
+                self._lookups.worker.put(Touch(list(keys)))
 
     def submit_load_task(
         self, keys: list[ObjectKey], objects: list[MemoryObj]
     ) -> L2TaskId:
         if len(objects) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
-        return self._submit(self._loads_worker, keys, objects)
+        return self._submit(self._loads.worker, keys, objects)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._loads.pop(task_id, None)
+        return self._loads.pop(task_id)
 
     # ---------------------------------------------------------------- stores
 
-    def _run_stores(self, tasks: list[_Task]) -> None:
+    def _run_stores(self, tasks: list[Task]) -> None:
         try:
             results = self._store(tasks)
         except Exception:
@@ -452,11 +299,9 @@ class TieredL2Adapter(L2Ledger):
                 "lmcache_tiered: L2 store of %d task(s) failed", len(tasks)
             )
             results = {t.task_id: L2StoreResult(False, 0) for t in tasks}
-        with self._lock:
-            self._stores.update(results)
-        self._store_efd.notify()
+        self._stores.publish(results)
 
-    def _store(self, tasks: list[_Task]) -> dict[L2TaskId, L2StoreResult]:
+    def _store(self, tasks: list[Task]) -> dict[L2TaskId, L2StoreResult]:
         """Write all tasks' new chunks in one batch, synchronously: a task is
         reported only once they are written, and succeeds when every one of
         its chunks is stored (now or before)."""
@@ -472,106 +317,46 @@ class TieredL2Adapter(L2Ledger):
         cache = self.cache
         if cache is None:
             return {t.task_id: L2StoreResult(False, 0) for t in tasks}
-        # the policy sees each row as a chain, and picks what to write
-        chosen = [[False] * len(task.keys) for task in tasks]
-        for task, picks in zip(tasks, chosen, strict=True):
-            for row in _rows(task.keys):
-                new = cache.select_new(task.keys[row.start : row.stop])
-                for i, pick in zip(row, new, strict=True):
-                    picks[i] = pick
-        plan = [
-            (n, i, view)
-            for n, (picks, task_views) in enumerate(zip(chosen, views, strict=True))
-            for i, view in enumerate(task_views)
-            if picks[i] and view is not None
-        ]
-        payloads = [Payload.of(tasks[n].keys[i], view) for n, i, view in plan]
-        stored = cache.store(payloads) if payloads else []
-        ok = [[False] * len(task.keys) for task in tasks]
-        written = [0] * len(tasks)
-        for (n, i, view), good in zip(plan, stored, strict=True):
-            ok[n][i] = good
-            written[n] += view.get_size() if good else 0
-        for task, picks, task_views, flags in zip(
-            tasks, chosen, views, ok, strict=True
-        ):
-            for i, key in enumerate(task.keys):
-                if not picks[i] and task_views[i] is not None:
-                    # stored before, or refused by the policy's admission
-                    flags[i] = cache.tier_of(key) is not None
-        return {
-            task.task_id: L2StoreResult(all(flags), size)
-            for task, flags, size in zip(tasks, ok, written, strict=True)
-        }
+        return store_tasks(cache, tasks, views)
 
     # --------------------------------------------------------------- lookups
 
-    def _run_lookups(self, jobs: list[_LookupJob]) -> None:
+    def _run_lookups(self, jobs: list[LookupJob]) -> None:
         """Lookups, unlocks and touches in the order submitted: pins are in
         memory."""
         found: dict[L2TaskId, Bitmap] = {}
         for job in jobs:
             cache = self.cache
-            if isinstance(job, _Unlock):
+            if isinstance(job, Unlock):
                 if cache is not None:
                     for key in job.keys:
                         cache.unpin(key)
                 continue
             bitmap = Bitmap(len(job.keys))
             if cache is not None:
-                self._lookup(cache, job.keys, bitmap, pin=isinstance(job, _Task))
-            if isinstance(job, _Task):
+                lookup(cache, job.keys, bitmap, pin=isinstance(job, Task))
+            if isinstance(job, Task):
                 found[job.task_id] = bitmap
         if found:
-            with self._lock:
-                self._lookups.update(found)
-            self._lookup_efd.notify()
-
-    @staticmethod
-    def _lookup(
-        cache: TieredCache, keys: list[ObjectKey], bitmap: Bitmap, pin: bool
-    ) -> None:
-        """Look up (and pin) ``keys`` row by row (each row a chain the policy
-        sees); a failure is logged and the rest count as misses."""
-        try:
-            for row in _rows(keys):
-                held = cache.lookup(keys[row.start : row.stop], pin=pin)
-                for i, hit in zip(row, held, strict=True):
-                    if hit:
-                        bitmap.set(i)
-        except Exception:
-            logger.exception("lmcache_tiered: L2 lookup failed")
+            self._lookups.publish(found)
 
     # ----------------------------------------------------------------- loads
 
-    def _run_loads(self, tasks: list[_Task]) -> None:
+    def _run_loads(self, tasks: list[Task]) -> None:
         bitmaps = {t.task_id: Bitmap(len(t.keys)) for t in tasks}
         try:
             self._load(tasks, bitmaps)
         except Exception:
             logger.exception("lmcache_tiered: L2 load of %d task(s) failed", len(tasks))
             bitmaps = {t.task_id: Bitmap(len(t.keys)) for t in tasks}
-        with self._lock:
-            self._loads.update(bitmaps)
-        self._load_efd.notify()
+        self._loads.publish(bitmaps)
 
-    def _load(self, tasks: list[_Task], bitmaps: dict[L2TaskId, Bitmap]) -> None:
+    def _load(self, tasks: list[Task], bitmaps: dict[L2TaskId, Bitmap]) -> None:
         """Read all tasks' chunks straight into the caller's buffers, in one
-        cache read (warm, then cold, then other hosts' shared cold files)."""
-        cache = self.cache
-        if cache is None:
-            return
-        cells = [(task, i) for task in tasks for i in range(len(task.keys))]
-        objs = cache.read(
-            [task.keys[i] for task, i in cells],
-            into=[borrow(task.objects[i]) for task, i in cells],
-        )
-        loaded: list[ObjectKey] = []
-        for (task, i), obj in zip(cells, objs, strict=True):
-            if obj is not None:
-                bitmaps[task.task_id].set(i)
-                loaded.append(task.keys[i])
-        if loaded:
+        cache read; the listeners hear which were loaded."""
+        if self.cache is not None and (
+            loaded := load_tasks(self.cache, tasks, bitmaps)
+        ):
             self._notify_keys_accessed(loaded)
 
     # ------------------------------------------------------------- eviction
@@ -592,7 +377,7 @@ class TieredL2Adapter(L2Ledger):
         counters = {} if cache is None else cache.snapshot()
         return {
             "is_healthy": not self._closed
-            and all(w.is_alive() for w in self._all_workers()),
+            and all(c.worker.is_alive() for c in self._channels()),
             "type": type(self).__name__,
             "tiers": {
                 name: {
@@ -606,8 +391,8 @@ class TieredL2Adapter(L2Ledger):
             "warmup": counters.get("warmup"),
         }
 
-    def _all_workers(self) -> list[BatchWorker[_Task] | BatchWorker[_LookupJob]]:
-        return [self._stores_worker, self._lookups_worker, self._loads_worker]
+    def _channels(self) -> list[Channel[Any, Any]]:
+        return [self._stores, self._lookups, self._loads]
 
     def close(self) -> None:
         """Finish every accepted task, then release the cache and event fds."""
@@ -615,10 +400,11 @@ class TieredL2Adapter(L2Ledger):
             if self._closed:
                 return
             self._closed = True
-        for worker in self._all_workers():
-            worker.stop()
+        for channel in self._channels():
+            channel.worker.stop()
         if self.cache is not None:
             self.cache.close()
-        self._release_directories(self._held)
-        for notifier in (self._store_efd, self._lookup_efd, self._load_efd):
-            notifier.close()
+        for hold in self._holds.values():
+            hold.release()
+        for channel in self._channels():
+            channel.events.close()

@@ -123,7 +123,7 @@ def load_config(path: str) -> TieredConfig:
     if isinstance(doc, dict) and isinstance(doc.get("extra_config"), dict):
         return TieredConfig.from_extra_config(doc["extra_config"])
     if isinstance(doc, dict) and isinstance(doc.get("adapter_params"), dict):
-        from lmcache_tiered.integration.mp import TieredL2AdapterConfig
+        from lmcache_tiered.integration.l2_config import TieredL2AdapterConfig
 
         return TieredL2AdapterConfig.from_dict(doc["adapter_params"]).settings
     raise ConfigError(

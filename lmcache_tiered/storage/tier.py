@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from functools import partial
 
@@ -70,6 +70,9 @@ class Tier(StorageTier):
     both written, then each file checked to be still the one at its path);
     with ``fsync`` it also survives a power loss.
 
+    ``held_lock`` hands over the owner's lock file, already locked by this
+    process (:class:`lmcache_tiered.storage.directories.DirectoryHold`).
+
     ``read_only``: another process's files, seen through a shared file
     system: never written, locked or formatted here; every read is
     CRC-checked, since the owner may be rewriting a slot meanwhile (see
@@ -84,6 +87,7 @@ class Tier(StorageTier):
         max_payload: int,
         capacity_bytes: int,
         read_only: bool = False,
+        held_lock: Callable[[], int] | None = None,
     ) -> None:
         self.name = options.name
         self.owner = owner
@@ -121,7 +125,7 @@ class Tier(StorageTier):
         #: the index is not loaded (start-up found the files unreadable):
         #: recovery loads it before the tier serves
         self._unloaded = False
-        self.files.open()
+        self.files.open(held_lock)
         try:
             if (why := self._load()) is not None:
                 self._unloaded = True

@@ -16,7 +16,7 @@ import fcntl
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -201,9 +201,10 @@ class TierFileSet:
 
     # --------------------------------------------------------- open, close
 
-    def open(self) -> None:
+    def open(self, held_lock: Callable[[], int] | None = None) -> None:
         """Lock the files for this process, then open (creating) them and
-        start the engine.
+        start the engine. ``held_lock`` hands over the owner's lock file,
+        already locked by this process (a directory hold): it is used as is.
 
         Locks live on descriptors of their own: an io_uring ring keeps its
         registered files open for a while after it is torn down. Besides the
@@ -220,8 +221,11 @@ class TierFileSet:
         lock_fds: list[int] = []
         fds: list[int] = []
         try:
-            lock_fds.append(self._open(self._lock_name, data=False))
-            self._take_lock(lock_fds[0], self._lock_name, "is held")
+            if held_lock is not None:
+                lock_fds.append(held_lock())
+            else:
+                lock_fds.append(self._open(self._lock_name, data=False))
+                self._take_lock(lock_fds[0], self._lock_name, "is held")
             for name in self.names:
                 fds.append(self._open(name))
             self._refuse_shared_files(fds)

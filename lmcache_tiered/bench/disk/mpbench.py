@@ -49,7 +49,8 @@ from lmcache.v1.platform import consume_fd
 
 from lmcache_tiered.bench.disk.rawio import drop_page_cache
 from lmcache_tiered.config import GIB, SETTINGS
-from lmcache_tiered.integration.mp import TieredL2Adapter, TieredL2AdapterConfig
+from lmcache_tiered.integration.l2_config import TieredL2AdapterConfig
+from lmcache_tiered.integration.mp import TieredL2Adapter
 from lmcache_tiered.io import ALIGN, aligned_buffer
 from lmcache_tiered.storage.layout import Geometry
 from lmcache_tiered.testing.lmcache import (
