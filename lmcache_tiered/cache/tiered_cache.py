@@ -254,8 +254,7 @@ class TieredCache:
         return self.chains.continuation(key, limit)
 
     def now(self) -> float:
-        """Seconds on the policies' clock, ``time.monotonic()`` (the bench
-        replays on the production clock too)."""
+        """Seconds on the policies' clock: ``time.monotonic()``."""
         return time.monotonic()
 
     # ---------------------------------------------------------------- events

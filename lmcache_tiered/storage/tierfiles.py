@@ -45,8 +45,8 @@ from lmcache_tiered.storage.layout import (
 )
 
 logger = logging.getLogger("lmcache_tiered")
-#: Logged where a tier's directories share a file system (the bench's
-#: modelled drives do on purpose, and filter it by this text).
+#: Logged where a tier's directories share a file system (a caller that
+#: does so on purpose, with its drives modelled, can filter it by this text).
 SHARED_FILE_SYSTEM_WARNING = (
     "tier %s: %s are on one file system: chunks are striped over directories, "
     "not devices, so reads get no faster; list one directory per NVMe device in %s"
