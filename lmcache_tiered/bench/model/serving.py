@@ -41,23 +41,6 @@ _TIER_OF_LOCATION = {testing.CPU_TIER: "hot", testing.DISK_TIER: "warm"}
 PREFETCHES_IN_FLIGHT = 8
 
 
-def hint_forwarder(backend: TieredBackend | None) -> HintForwarder | None:
-    """The production hint path into ``backend``, or None where it has none.
-
-    As deployed (:mod:`lmcache_tiered.integration.vllm_plugin`): a forwarder
-    thread POSTs each arrival's prompt to the backend's loopback endpoint.
-    """
-    if backend is None or backend.hint_server is None:
-        return None
-    return HintForwarder(backend.hint_server.url)
-
-
-def send_arrival_hint(hints: HintForwarder | None, tokens: torch.Tensor) -> None:
-    """Tell the backend a request arrived, as vLLM's API server would."""
-    if hints is not None:
-        hints.submit(tokens.tolist())
-
-
 def _whole_chunks(tokens: int) -> int:
     """``tokens`` rounded down to LMCache's chunks (a masked load or store
     skips only whole chunks)."""
@@ -113,8 +96,11 @@ class Replay:
         name: str,
         progress: ProgressSink,
         gpu_kv_tokens: int | None = None,
+        hints: HintForwarder | None = None,
     ) -> None:
-        """``gpu_kv_tokens``: vLLM's GPU prefix cache (default: the setup's)."""
+        """``gpu_kv_tokens``: vLLM's GPU prefix cache (default: the setup's);
+        ``hints``: the production hint path into the backend, where it has one
+        (:mod:`lmcache_tiered.integration.vllm_plugin`'s forwarder)."""
         self.setup = setup
         self.workload = workload
         self.engine = engine
@@ -143,7 +129,7 @@ class Replay:
         self.decoding: list[_Live] = []
         self.finished = 0
         self.failure: BaseException | None = None
-        self.hints = hint_forwarder(backend)
+        self.hints = hints
         self.copies = None if engine is None else GpuCopies(engine, setup)
         #: loads run off the engine loop, as LMCache's multi-process server
         #: prefetches them (see :meth:`_prefetch`)
@@ -239,7 +225,8 @@ class Replay:
                         self.cond.wait(delay)
                         continue
                     heapq.heappop(self.pending)
-                send_arrival_hint(self.hints, self.workload.tokens[index])
+                if self.hints is not None:  # as vLLM's API server would
+                    self.hints.submit(self.workload.tokens[index].tolist())
                 with self.cond:
                     self.waiting.append(_Live(index, arrival=release))
                     self.cond.notify_all()
