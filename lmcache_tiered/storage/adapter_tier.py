@@ -26,21 +26,23 @@ own (Redis ``maxmemory-policy``, LMCache's ``eviction`` JSON): a chunk it
 dropped is a miss at the next read.
 
 Failure: every operation waits at most
-:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`. LMCache's native Redis client
-never reconnects after the server goes away and can leave operations pending
-forever, so a prober checks the store every :data:`PROBE_S` seconds with a
-small write and read back of its own, of one of :data:`PROBE_OBJECTS` objects
-in turn until one passes (on a cluster they are likely on different nodes:
-one node lost is then the misses of its slots, not a failed check). The
-store is *down* after a failed check, a timed-out operation or
-:data:`DEGRADE_AFTER` failed operations in a row: lookups and reads answer
-misses at once and writes are dropped, the adapter is abandoned, and the
-prober checks a new one until a check passes; only then does the tier serve
-again (its index empty: the store may have restarted empty). A store that
-answers reads but refuses writes (full, read-only) is not down: it *refuses
-writes* (they are dropped at once) and keeps serving its chunks until a
-check's write passes. Each change of state is one WARNING line, and
-``degraded`` / ``writes_refused`` say since when.
+:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`. LMCache's native Redis
+client never reconnects after the server goes away and can leave operations
+pending forever, so the tier's health machine
+(:class:`lmcache_tiered.storage.health.TierHealth`, the file tiers' too)
+checks the store every :data:`PROBE_S` seconds with a small write and read
+back of its own, of one of :data:`PROBE_OBJECTS` objects in turn until one
+passes (on a cluster they are likely on different nodes: one node lost is
+then the misses of its slots, not a failed check). The store is *down*
+(degraded) after a failed check, a timed-out operation or
+:data:`~lmcache_tiered.storage.health.DEGRADE_AFTER` failed operations in a
+row: lookups and reads answer misses at once and writes are dropped, the
+adapter is abandoned, and the prober checks a new one until a check passes;
+only then does the tier serve again (its index empty: the store may have
+restarted empty). A store that answers reads but refuses writes (full,
+read-only) is not down: it *refuses writes* (they are dropped at once) and
+keeps serving its chunks until a check's write passes. Each change of state
+is one WARNING line, and ``degraded`` / ``writes_refused`` say since when.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import TierStats
 from lmcache_tiered.storage import store_client
 from lmcache_tiered.storage.base import StorageTier
+from lmcache_tiered.storage.health import HealthLines, TierHealth
 from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
     CorruptRecord,
@@ -88,8 +91,6 @@ logger = logging.getLogger("lmcache_tiered")
 PROBE_S = 2.0
 #: Probe objects per tier, tried in turn until one answers (cluster nodes).
 PROBE_OBJECTS = 4
-#: Failed operations in a row (no success between) that make the store down.
-DEGRADE_AFTER = 3
 #: Headers kept in memory; older ones are asked for again at their next lookup.
 MAX_INDEX = 1 << 18
 
@@ -108,14 +109,11 @@ class AdapterTier(StorageTier):
         self.spec = spec
         self.max_payload = max_payload
         self.stats = TierStats()
-        #: why the store is down (None: it serves), "down since T: why"
-        self._down: str | None = None
         #: why it refuses writes while it serves reads, "since T: why"
         self._refused: str | None = None
         self._down_since = self._refused_since = 0.0
         self._index: OrderedDict[bytes, RecordHeader] = OrderedDict()
         self._lock = threading.Lock()
-        self._failures = 0
         self._used = 0
         # one per process (deleted at close): two processes probing one
         # object could see each other's writes as a failed check
@@ -124,11 +122,24 @@ class AdapterTier(StorageTier):
             for i in range(PROBE_OBJECTS)
         ]
         self._client: StoreClient | None = StoreClient(build_adapter(spec))
-        self._stop = threading.Event()
-        self._prober = threading.Thread(
-            target=self._probe_loop, name="lmcache-tiered-store-probe", daemon=True
+        store = f"lmcache_tiered: cold store ({self.engine_name})"
+        #: down (degraded: "down since T: why") and back, checked while it
+        #: serves too: a store can fail with nobody asking it
+        self.health = TierHealth(
+            self.engine_name,
+            self._lock,
+            self.stats,
+            missing=lambda: None,
+            recover=self._recover,
+            watch=self._watch,
+            on_degrade=self._went_down,
+            period=lambda: PROBE_S,
+            lines=HealthLines(
+                degraded=store + " {why}; its chunks are misses until a check "
+                "passes (one every {period:g} s)",
+                recovered=store + " {how}",
+            ),
         )
-        self._prober.start()
 
     @property
     def engine_name(self) -> str:
@@ -136,7 +147,7 @@ class AdapterTier(StorageTier):
 
     @property
     def degraded(self) -> str | None:
-        return self._down
+        return self.health.degraded
 
     @property
     def writes_refused(self) -> str | None:
@@ -376,13 +387,13 @@ class AdapterTier(StorageTier):
         try:
             landed = client.load(keys, buffers)
         except StoreTimeout as exc:
-            self._degrade(str(exc))
+            self.health.degrade(str(exc))
             return [False] * len(keys)
         except Exception:
             logger.exception("lmcache_tiered: store load failed")
-            self._failed()
+            self.health.note_failure("a load failed")
             return [False] * len(keys)
-        self._failures = 0
+        self.health.note_success()
         return landed
 
     def _store(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> bool:
@@ -394,59 +405,45 @@ class AdapterTier(StorageTier):
         try:
             stored = client.store(keys, buffers)
         except StoreTimeout as exc:
-            self._degrade(str(exc))
+            self.health.degrade(str(exc))
             return False
         except Exception:
             logger.exception("lmcache_tiered: store write failed")
-            self._failed()
+            self.health.note_failure("a write failed")
             return False
-        self._failures = 0
+        self.health.note_success()
         if not stored:
             self._refuse("a write was refused (full or read-only?)")
         return stored
 
-    def _failed(self) -> None:
-        """Count a failed operation (DEGRADE_AFTER in a row: down)."""
-        self._failures += 1
-        if self._failures >= DEGRADE_AFTER:
-            self._degrade(f"{self._failures} operations in a row failed")
-
     # ---------------------------------------------------------------- health
 
-    def _degrade(self, why: str) -> None:
-        """The store is down: drop the adapter and serve misses at once until
-        the prober's check on a new one passes (one WARNING line)."""
-        with self._lock:
-            if self.degraded is not None:
-                return
-            self._down_since = time.time()
-            self._down = f"down since {_clock(self._down_since)}: {why}"
-            self._refused = None  # the check that brings it back says
-            self.stats.degradations += 1
-            client, self._client = self._client, None
-            self._index.clear()
-        logger.warning(
-            "lmcache_tiered: cold store (%s) %s; its chunks are misses until a "
-            "check passes (one every %g s)",
-            self.engine_name,
-            self.degraded,
-            PROBE_S,
-        )
+    def _went_down(self, why: str) -> str:
+        """The store is down (under the lock, as the health machine degrades
+        the tier): drop the adapter and the index, serve misses at once until
+        a check on a new adapter passes; what ``degraded`` says."""
+        self._down_since = time.time()
+        self._refused = None  # the check that brings it back says
+        client, self._client = self._client, None
+        self._index.clear()
         if client is not None:
             close_later(client.adapter)
+        return f"down since {_clock(self._down_since)}: {why}"
 
-    def _back(self, client: StoreClient) -> None:
-        """A check through ``client`` passed: serve through it again."""
+    def _recover(self) -> str | None:
+        """One check through a new adapter; if it passes, serve through it
+        again: how it came back (None while it does not)."""
+        check, fresh = self._check_fresh()
+        if fresh is None:
+            return None
+        if check.down is not None:
+            close_later(fresh.adapter)
+            return None
+        fresh.timeout_s = None
         since = self._down_since
         with self._lock:
-            self._client, self._down = client, None
-            self._failures = 0
-        logger.warning(
-            "lmcache_tiered: cold store (%s) back after %.0f s (down since %s)",
-            self.engine_name,
-            time.time() - since,
-            _clock(since),
-        )
+            self._client = fresh
+        return f"back after {time.time() - since:.0f} s (down since {_clock(since)})"
 
     def _refuse(self, why: str) -> None:
         """Writes are refused while reads are served (full, read-only). The
@@ -472,7 +469,7 @@ class AdapterTier(StorageTier):
         try:
             self._client = StoreClient(build_adapter(self.spec))
         except Exception as exc:
-            self._degrade(f"no new client for reads: {exc}")
+            self.health.degrade(f"no new client for reads: {exc}")
 
     def _takes_writes(self) -> None:
         with self._lock:
@@ -522,27 +519,24 @@ class AdapterTier(StorageTier):
             return _Check(down="the store gave a check's object back with other bytes")
         return _Check()
 
-    def _probe_loop(self) -> None:
-        while not self._stop.wait(PROBE_S):
-            client = self._client
-            serving = self.degraded is None and self.writes_refused is None
-            if serving and client is not None:
-                check = self._check(client)
-                if client is not self._client:
-                    continue  # swapped meanwhile (a refused write): stale
-            else:
-                check, fresh = self._check_fresh()
-                if fresh is not None and self.degraded and check.down is None:
-                    fresh.timeout_s = None
-                    self._back(fresh)
-                elif fresh is not None:
-                    close_later(fresh.adapter)
-            if check.down is not None:
-                self._degrade(check.down)
-            elif check.refused is not None:
-                self._refuse(check.refused)
-            else:
-                self._takes_writes()
+    def _watch(self) -> None:
+        """The health machine's check while the store serves: through the
+        client that serves, or, while it refuses writes, a new one."""
+        client = self._client
+        if self._refused is None and client is not None:
+            check = self._check(client)
+            if client is not self._client:
+                return  # swapped meanwhile (a refused write): stale
+        else:
+            check, fresh = self._check_fresh()
+            if fresh is not None:
+                close_later(fresh.adapter)
+        if check.down is not None:
+            self.health.degrade(check.down)
+        elif check.refused is not None:
+            self._refuse(check.refused)
+        else:
+            self._takes_writes()
 
     def _check_fresh(self) -> tuple[_Check, StoreClient | None]:
         """One probe object checked through a new client, and that client
@@ -559,8 +553,7 @@ class AdapterTier(StorageTier):
         return self._check(client, tries=1), client
 
     def close(self) -> None:
-        self._stop.set()
-        self._prober.join(3 * store_client.TIMEOUT_S)
+        self.health.close()
         client, self._client = self._client, None
         if client is not None:
             # our probe object goes with us, unless the store is unreachable
