@@ -369,6 +369,7 @@ def test_a_failing_check_is_raised_once_every_read_landed(
     assert not thread.is_alive(), "the reader never heard of its checks"
     assert [str(e) for e in raised] == ["a check broke"]
     assert sorted(checked) == [key(i).chunk_hash for i in range(4)]
+    assert all(e.readers == 0 for e in tier.index)  # all evictable again
     monkeypatch.setattr(Tier, "_finish_read", finish)
     assert all(o is not None for o in tier.read([key(0), key(2)], reader(allocator)))
 
@@ -385,3 +386,46 @@ def test_checks_run_in_place_once_the_pool_takes_no_work(
     batch.start(0, lambda n: n * 2, 21)
     batch.start(2, lambda: threading.get_ident())
     assert batch.wait() == [42, None, threading.get_ident()]
+
+
+def test_a_read_that_raises_leaves_its_slots_evictable(
+    tier_factory: TierFactory,
+    allocator: MixedMemoryAllocator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LMCache's allocator (given another host's header shape), the bounce
+    buffer or a check can raise mid-read; the read's records must stop
+    counting as being read, or a full tier pins them forever and drops
+    every later put."""
+    tier = tier_factory(capacity_bytes=2 * ((64 << 10) + 4096))
+    objs = [make_obj(allocator, i) for i in range(2)]
+    assert tier.write([(key(i), o) for i, o in enumerate(objs)]) == [True, True]
+    allocate = reader(allocator)
+    handed: list[MemoryObj] = []
+
+    def second_raises(header: RecordHeader) -> MemoryObj:
+        if handed:
+            raise ValueError("no such shape")
+        handed.append(allocate(header))
+        return handed[-1]
+
+    with pytest.raises(ValueError, match="no such shape"):
+        tier.read([key(0), key(1)], second_raises)
+    assert tier.write([(key(2), make_obj(allocator, 2))]) == [True]
+    assert handed[0].get_ref_count() == 0  # the first buffer was given back
+    calls: list[int] = []
+
+    def buffer_fails(size: int) -> memoryview:
+        calls.append(size)
+        raise MemoryError("no aligned memory")
+
+    monkeypatch.setattr("lmcache_tiered.storage.tier.aligned_buffer", buffer_fails)
+    stored = [k for k in (key(0), key(1), key(2)) if tier.contains(k)]
+    with pytest.raises(MemoryError):
+        tier.read_payloads(stored)
+    assert calls
+    monkeypatch.undo()
+    assert tier.write([(key(3), make_obj(allocator, 3))]) == [True]
+    assert tier.write([(key(4), make_obj(allocator, 4))]) == [True]
+    assert tier.stats.puts_dropped == 0
+    assert all(e.readers == 0 for e in tier.index)

@@ -256,10 +256,24 @@ class Tier:
                 self.stats.misses += len(keys)
                 return self._moved(objs, 0, began)
             entries = self._begin_reads(keys)
-            objs = [None if e is None else allocate(e.header) for e in entries]
-            views = [None if o is None else payload_view(o) for o in objs]
-            direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
-            outcomes = self._read_into(entries, views, direct)
+            outcomes: list[bool | None] = [None] * len(keys)
+            try:
+                for i, entry in enumerate(entries):
+                    if entry is not None:
+                        objs[i] = allocate(entry.header)
+                views = [None if o is None else payload_view(o) for o in objs]
+                direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
+                outcomes = self._read_into(entries, views, direct)
+            except BaseException:
+                # the caller never sees these: give their memory back
+                for obj in objs:
+                    if obj is not None:
+                        obj.ref_count_down()
+                raise
+            finally:
+                # a raising allocator or check must not leave the records
+                # counted as being read: their slots could never be evicted
+                self._end_reads(entries, outcomes)
         moved = 0
         for i, ok in enumerate(outcomes):
             obj, entry = objs[i], entries[i]
@@ -278,11 +292,17 @@ class Tier:
                 self.stats.misses += len(keys)
                 return self._moved([None] * len(keys), 0, began)
             entries = self._begin_reads(keys)
-            views = [
-                None if e is None else aligned_buffer(align_up(e.header.payload_size))
-                for e in entries
-            ]
-            outcomes = self._read_into(entries, views, [True] * len(keys))
+            outcomes: list[bool | None] = [None] * len(keys)
+            try:
+                views = [
+                    None
+                    if e is None
+                    else aligned_buffer(align_up(e.header.payload_size))
+                    for e in entries
+                ]
+                outcomes = self._read_into(entries, views, [True] * len(keys))
+            finally:  # see read: never leave a record counted as being read
+                self._end_reads(entries, outcomes)
         payloads = [
             Payload.read_back(e.header, v)
             if ok and e is not None and v is not None
@@ -308,7 +328,8 @@ class Tier:
     ) -> list[bool | None]:
         """Read the records into ``views``; per record True (good), False
         (bad: dropped from the tier) or None (not read: no buffer, or the
-        device failed; the record stays).
+        device failed; the record stays). The caller ends the reads
+        (:meth:`_end_reads`), whether this returns or raises.
 
         One engine batch per record, all handed over in one call and in flight
         at once; each record is checked on the verifier pool
@@ -331,9 +352,7 @@ class Tier:
             landing.add_done_callback(
                 partial(self._landed, checks, i, entry, transfer, view, started)
             )
-        outcomes = checks.wait()
-        self._end_reads(entries, outcomes)
-        return outcomes
+        return checks.wait()
 
     def _landed(
         self,
