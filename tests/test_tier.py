@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered._lmcache import MixedMemoryAllocator
+from lmcache_tiered.io.base import IOEngine, IORequest
 from lmcache_tiered.storage import checks
 from lmcache_tiered.storage.index import Entry
 from lmcache_tiered.storage.layout import RecordHeader
@@ -429,3 +431,42 @@ def test_a_read_that_raises_leaves_its_slots_evictable(
     assert tier.write([(key(4), make_obj(allocator, 4))]) == [True]
     assert tier.stats.puts_dropped == 0
     assert all(e.readers == 0 for e in tier.index)
+
+
+class FailingWrites(IOEngine):
+    """Wraps a tier's real engine and fails every write with EIO (no
+    dm-error in this container); reads go through."""
+
+    name = "failing-writes"
+
+    def __init__(self, inner: IOEngine) -> None:
+        super().__init__(inner.fds, inner.queue_depth)
+        self.inner = inner
+
+    def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
+        if not write:
+            return self.inner.submit(requests, write)
+        failed: Future[list[int]] = Future()
+        failed.set_result([-errno.EIO] * len(requests))
+        return failed
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_key_twice_in_a_batch_shares_its_one_write_result(
+    tier_factory: TierFactory, allocator: MixedMemoryAllocator
+) -> None:
+    """The multi-process adapter merges several tasks' puts into one batch,
+    so a key can come twice; its second copy must not be acknowledged before
+    (or unless) the first copy's write succeeded."""
+    tier = tier_factory()
+    tier.engine = FailingWrites(tier.engine)
+    obj = make_obj(allocator, 5)
+    assert tier.write([(key(5), obj), (key(6), obj), (key(5), obj)]) == [False] * 3
+    assert not tier.contains(key(5))
+    tier.engine = tier.engine.inner  # type: ignore[attr-defined]
+    assert tier.write([(key(5), obj), (key(6), obj), (key(5), obj)]) == [True] * 3
+    assert len(tier) == 2 and tier.stats.puts == 2
+    oversized = make_obj(allocator, 7, torch.Size([2, 2, 128, 128]))
+    assert tier.write([(key(7), oversized), (key(7), oversized)]) == [False] * 2

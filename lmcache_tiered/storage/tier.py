@@ -468,13 +468,18 @@ class Tier:
             last_sequence = self.index.reserve_sequences(len(payloads))
         taken: list[tuple[int, int, Payload, Transfer]] = []
         evicted: list[CacheEngineKey] = []
-        seen: set[bytes] = set()
+        #: digest -> the first copy of that key in this batch; a later copy
+        #: (the MP adapter merges tasks' batches) shares that copy's result
+        first_copy: dict[bytes, int] = {}
+        copies: list[tuple[int, int]] = []
         for i, payload in enumerate(payloads):
             digest = key_digest(payload.key)
-            if payload.key in self.index or digest in seen:
+            if (first := first_copy.setdefault(digest, i)) != i:
+                copies.append((i, first))
+                continue
+            if payload.key in self.index:
                 stored[i] = True
                 continue
-            seen.add(digest)
             size = len(payload.view)
             if size > self.geometry.max_payload:
                 logger.warning(
@@ -497,6 +502,19 @@ class Tier:
             taken.append((i, slot, payload, transfer))
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
+        stored, moved = self._write_taken(stored, taken, last_sequence)
+        for i, first in copies:
+            stored[i] = stored[first]
+        return stored, moved
+
+    def _write_taken(
+        self,
+        stored: list[bool],
+        taken: list[tuple[int, int, Payload, Transfer]],
+        last_sequence: int,
+    ) -> tuple[list[bool], int]:
+        """Write the payloads given slots, then their headers; ``stored``
+        updated, and the payload bytes written."""
         if not taken:
             return stored, 0
         requests = [r for _, _, _, t in taken for r in t.requests]
