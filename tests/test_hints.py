@@ -147,3 +147,42 @@ def test_close_releases_port(recorder: Recorder) -> None:
     finally:
         second.close()
     assert recorder.hints == [([5], None)]
+
+
+def test_hints_never_go_through_a_proxy(
+    server: HintServer, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hint carries a prompt's token ids: with ``http_proxy`` set (and
+    ``no_proxy=localhost``, which urllib does not apply to 127.0.0.1) it must
+    still go straight to the endpoint, never to the proxy."""
+    seen: list[bytes] = []
+    sent = threading.Event()
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(8)
+        proxy.settimeout(0.05)
+
+        def record() -> None:
+            while not sent.is_set():
+                try:
+                    conn, _ = proxy.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(1)
+                    seen.append(conn.recv(65536))
+                    conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\n\r\n")
+
+        listener = threading.Thread(target=record)
+        listener.start()
+        proxy_url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, proxy_url)
+        monkeypatch.setenv("no_proxy", "localhost")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        landed = send_hint(server.url, [11, 12], timeout=2)
+        sent.set()
+        listener.join()
+    assert seen == []
+    assert landed
+    assert recorder.hints == [([11, 12], None)]

@@ -137,6 +137,18 @@ def _parse(body: bytes) -> tuple[list[int], float | None]:
     return token_ids, None if deadline_s is None else float(deadline_s)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: a hint's token ids go to the URL given only."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+#: Opens hint URLs directly: ``urlopen`` would send a prompt's token ids to
+#: ``http_proxy`` (its ``no_proxy=localhost`` does not cover 127.0.0.1)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
+
+
 def send_hint(
     url: str,
     token_ids: Sequence[int],
@@ -144,7 +156,8 @@ def send_hint(
     timeout: float = 0.5,
 ) -> bool:
     """POST one hint to ``url``; True if it was accepted. Never raises on a
-    network or server error (logs at DEBUG): a lost hint only loses warm-up."""
+    network or server error (logs at DEBUG): a lost hint only loses warm-up.
+    Never through a proxy, never redirected: the body is a user's prompt."""
     hint: dict[str, Any] = {"token_ids": list(token_ids)}
     if deadline_s is not None:
         hint["deadline_s"] = deadline_s
@@ -152,7 +165,7 @@ def send_hint(
     headers = {"Content-Type": "application/json"}
     try:
         request = urllib.request.Request(url, body, headers, method="POST")
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _DIRECT.open(request, timeout=timeout) as response:
             return 200 <= response.status < 300
     except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts, bad URL
         logger.debug("lmcache_tiered: hint to %s not delivered: %s", url, exc)
