@@ -747,6 +747,39 @@ def _closes_within(engine: IOEngine, seconds: float) -> float:
     return time.monotonic() - started
 
 
+def test_uring_close_is_bounded_by_a_read_that_never_completes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung drive, made real: a read from an empty pipe stays in flight in
+    the kernel. close() returns after CLOSE_WAIT_S, fails the request that
+    never went out (ECANCELED), and the caller may close its descriptor at
+    once; the ring is freed when the hung read completes at last."""
+    monkeypatch.setattr(io_base, "CLOSE_WAIT_S", 0.3, raising=False)
+    read_end, write_end = os.pipe()
+    engine = UringEngine([read_end], 1)
+    ring_fd = engine.ring_fd
+    stuck = engine.submit([IORequest(0, 0, aligned_buffer(ALIGN))], write=False)
+    queued = engine.submit([IORequest(0, 0, aligned_buffer(ALIGN))], write=False)
+    time.sleep(0.1)
+    assert not stuck.done() and not queued.done()
+    try:
+        assert _closes_within(engine, 5) < 3
+        assert queued.result(timeout=5) == [-errno.ECANCELED]
+        assert not stuck.done()
+        os.close(read_end)  # the tier closes its files next
+        assert os.readlink(f"/proc/self/fd/{ring_fd}") == "anon_inode:[io_uring]"
+        os.write(write_end, b"late")  # the registered file is still the pipe
+        assert stuck.result(timeout=5) == [4]
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/self/fd/{ring_fd}") and (
+            os.readlink(f"/proc/self/fd/{ring_fd}") == "anon_inode:[io_uring]"
+        ):
+            assert time.monotonic() < deadline, "the ring was never freed"
+            time.sleep(0.01)
+    finally:
+        os.close(write_end)
+
+
 def test_threads_close_is_bounded_and_never_writes_to_a_reused_descriptor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
