@@ -64,8 +64,10 @@ READ_TIMEOUT_S = 5.0
 MAX_PENDING = 64
 #: Bodies of at most this many maximal hints are buffered at once.
 MAX_BODIES = 4
-#: Seconds a request waits for its callback before it answers 202.
-REPLY_WAIT_S = 1.0
+#: Seconds a request waits for its callback before it answers 202: within the
+#: senders' own timeout (send_hint's default 0.5 s), so a slow callback is
+#: never taken for a lost hint.
+REPLY_WAIT_S = 0.25
 
 
 class HintCallback(Protocol):
