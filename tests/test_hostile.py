@@ -638,29 +638,31 @@ def test_a_host_whose_files_will_not_open_leaks_nothing_and_is_backed_off(
     _foreign_cold(cold, "kv-w0-hostC")
     (cold[1] / "kv-w0-hostC.slab").unlink()
     config = tiered_config(device_dirs, **{"cold.paths": [str(p) for p in cold]})
+    monkeypatch.setattr(shared_module, "REFRESH_S", 3600.0)  # we refresh here
+    # no back-off first: every refresh tries the host again
+    monkeypatch.setattr(shared_module, "RETRY_MAX_S", 0.0, raising=False)
+    opened: list[str] = []
+    real_open = tierfiles.open_tier_file
+
+    def counted(name: str, *args: Any) -> int:
+        opened.append(name)
+        return real_open(name, *args)
+
+    monkeypatch.setattr(tierfiles, "open_tier_file", counted)
     with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
         cache = open_cache(config, Chunks())
         try:
             shared = cache.shared
-            monkeypatch.setattr(shared_module, "RETRY_MAX_S", 0.0, raising=False)
-            shared.refresh()  # past the back-off of the try at start-up
-            before = _open_fds()
+            before, tries = _open_fds(), len(opened)
             for _ in range(20):
                 shared.refresh()
+            assert len(opened) >= tries + 20 * 2  # each try opened 2 files
             assert _open_fds() == before
             assert shared.tiers() == []
             monkeypatch.setattr(shared_module, "RETRY_MAX_S", 60.0, raising=False)
-            opened: list[str] = []
-            real_open = tierfiles.open_tier_file
-
-            def counted(name: str, *args: Any) -> int:
-                opened.append(name)
-                return real_open(name, *args)
-
-            monkeypatch.setattr(tierfiles, "open_tier_file", counted)
-            shared.refresh()
-            shared.refresh()
+            shared.refresh()  # its wait was 0: tried, then backed off
             tries = len(opened)
+            shared.refresh()
             shared.refresh()
             assert len(opened) == tries  # backed off: not tried again at once
         finally:
@@ -693,6 +695,7 @@ def test_an_engine_that_cannot_be_built_for_a_host_is_a_miss(
 
     monkeypatch.setattr(tierfiles, "make_engine", make_engine)
     monkeypatch.setattr(shared_module, "RETRY_MAX_S", 0.0, raising=False)
+    monkeypatch.setattr(shared_module, "REFRESH_S", 3600.0)  # we refresh here
     config = tiered_config(device_dirs, **{"cold.paths": [str(cold)]})
     with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
         cache = open_cache(config, Chunks())  # start-up refreshes once
