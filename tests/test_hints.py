@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import socket
@@ -290,3 +291,20 @@ def test_a_shared_token_keeps_other_senders_out(
     finally:
         server.close()
     assert recorder.hints == [([1, 2], None), ([6], None)]
+
+
+def test_the_server_starts_from_a_thread_running_an_event_loop(
+    recorder: Recorder,
+) -> None:
+    """LMCache or vLLM may build the backend on a thread whose event loop is
+    running: the server's own loop must not need that thread."""
+
+    async def build() -> HintServer:
+        return HintServer(on_hint=recorder)
+
+    server = asyncio.run(build())
+    try:
+        assert send_hint(server.url, [3, 1])
+    finally:
+        server.close()
+    assert recorder.hints == [([3, 1], None)]

@@ -126,23 +126,29 @@ class HintServer:
         self._worker = threading.Thread(
             target=self._work, name="lmcache-tiered-hint-worker", daemon=True
         )
+        # the loop runs on its own thread from the start: the caller's thread
+        # may be running an event loop of its own (run_until_complete refuses)
         self._loop = asyncio.new_event_loop()
-        try:
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(
-                    self._serve, host, port, limit=MAX_HEAD_BYTES, backlog=1024
-                )
-            )
-        except BaseException:
-            self._loop.close()
-            raise
-        self._address = self._server.sockets[0].getsockname()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="lmcache-tiered-hints", daemon=True
         )
+        self._thread.start()
+        listening = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(
+                self._serve, host, port, limit=MAX_HEAD_BYTES, backlog=1024
+            ),
+            self._loop,
+        )
+        try:
+            self._server = listening.result(READ_TIMEOUT_S)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(READ_TIMEOUT_S)
+            self._loop.close()
+            raise
+        self._address = self._server.sockets[0].getsockname()
         self._closed = False
         self._worker.start()
-        self._thread.start()
 
     @property
     def url(self) -> str:
