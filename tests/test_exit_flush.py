@@ -29,6 +29,7 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache_tiered.cache import writer as writer_module
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import TieredConfig
+from lmcache_tiered.io import base as io_base
 from lmcache_tiered.storage.payload import Payload
 from lmcache_tiered.storage.tier import Tier
 
@@ -203,5 +204,49 @@ def test_queued_puts_are_written_and_released_a_bounded_batch_at_a_time(
     assert held.batches == [1, 2, 2, 2]
     assert [o.get_ref_count() for o in objs] == [1] * 7
     cache.close()
+    for obj in objs:
+        obj.ref_count_down()
+
+
+def test_close_on_a_hung_drive_returns_within_its_bound(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A drive that never completes a write (a stand-in store: a hung
+    O_DIRECT write cannot be made here) held close() forever after the flush
+    timed out; it now returns within EXIT_FLUSH_S + CLOSE_WAIT_S, with one
+    WARNING, and the objects of the stuck batch are released if it returns."""
+    monkeypatch.setattr(writer_module, "EXIT_FLUSH_S", 0.2)
+    monkeypatch.setattr(io_base, "CLOSE_WAIT_S", 0.3, raising=False)
+    cache = open_cache(tmp_path)
+    writing, hung = threading.Event(), threading.Event()
+    store = cache.store
+
+    def hung_store(payloads: list[Payload]) -> list[bool]:
+        writing.set()
+        hung.wait(30)
+        return store(payloads)
+
+    cache.store = hung_store  # type: ignore[method-assign]
+    keys, objs = chunks(2)
+    cache.put(keys, objs)
+    assert writing.wait(10)
+    started = time.monotonic()
+    closer = threading.Thread(target=cache.writer.close, daemon=True)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
+        closer.start()
+        closer.join(10)
+    try:
+        assert not closer.is_alive(), "close() waits for a hung drive"
+        assert time.monotonic() - started < 2
+        assert any("hung drive" in r.getMessage() for r in caplog.records)
+    finally:
+        hung.set()
+        cache.close()
+    deadline = time.monotonic() + 10
+    while any(o.get_ref_count() != 1 for o in objs):
+        assert time.monotonic() < deadline, "the stuck batch kept its objects"
+        time.sleep(0.01)
     for obj in objs:
         obj.ref_count_down()

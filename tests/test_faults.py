@@ -45,10 +45,12 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache_tiered import testing
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import SETTINGS, ConfigError, TieredConfig
+from lmcache_tiered.io import base as io_base
 from lmcache_tiered.io.base import IOEngine, IORequest
 from lmcache_tiered.storage import health, layout
 from lmcache_tiered.storage.layout import RecordHeader
 from lmcache_tiered.storage.tier import Tier
+from lmcache_tiered.warmup.base import Plan
 
 SHAPE = torch.Size([2, 2, 64, 128])  # 64 KiB of bf16
 CHUNK_BYTES = SHAPE.numel() * 2
@@ -1240,3 +1242,33 @@ def test_a_part_that_fails_to_close_does_not_keep_the_others_open(
         cache.close()
     assert "closing tier warm failed" in caplog.text
     assert cold.files.fds == []  # closed after warm's failure
+
+
+def test_close_while_a_promotion_is_stuck_on_a_hung_drive_is_bounded(
+    device_dirs: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up thread stuck in a promotion's I/O (a stand-in: the
+    promoter's before_unit hook blocks, as a read on a hung drive would)
+    held the cache's close forever; the promoter gives up after
+    CLOSE_WAIT_S."""
+    monkeypatch.setattr(io_base, "CLOSE_WAIT_S", 0.3, raising=False)
+    cache = open_cache(tiered_config(device_dirs), Chunks())
+    entered, hung = threading.Event(), threading.Event()
+
+    def stuck(target: str, keys: tuple[Any, ...]) -> None:
+        entered.set()
+        hung.wait(30)
+
+    cache.promoter.before_unit = stuck
+    try:
+        cache.promoter.submit([Plan((key(1),), "warm", cache.now() + 60)])
+        assert entered.wait(10)
+        started = time.monotonic()
+        closer = threading.Thread(target=cache.promoter.close, daemon=True)
+        closer.start()
+        closer.join(5)
+        assert not closer.is_alive(), "close() waits for a stuck promotion"
+        assert time.monotonic() - started < 3
+    finally:
+        hung.set()
+        cache.close()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import resource
 import socket
 import struct
 import threading
@@ -11,7 +14,9 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from conftest import wait_until
 
+from lmcache_tiered.warmup import hints
 from lmcache_tiered.warmup.hints import HintServer, send_hint
 
 
@@ -147,3 +152,159 @@ def test_close_releases_port(recorder: Recorder) -> None:
     finally:
         second.close()
     assert recorder.hints == [([5], None)]
+
+
+def test_hints_never_go_through_a_proxy(
+    server: HintServer, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hint carries a prompt's token ids: with ``http_proxy`` set (and
+    ``no_proxy=localhost``, which urllib does not apply to 127.0.0.1) it must
+    still go straight to the endpoint, never to the proxy."""
+    seen: list[bytes] = []
+    sent = threading.Event()
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(8)
+        proxy.settimeout(0.05)
+
+        def record() -> None:
+            while not sent.is_set():
+                try:
+                    conn, _ = proxy.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(1)
+                    seen.append(conn.recv(65536))
+                    conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\n\r\n")
+
+        listener = threading.Thread(target=record)
+        listener.start()
+        proxy_url = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, proxy_url)
+        monkeypatch.setenv("no_proxy", "localhost")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        landed = send_hint(server.url, [11, 12], timeout=2)
+        sent.set()
+        listener.join()
+    assert seen == []
+    assert landed
+    assert recorder.hints == [([11, 12], None)]
+
+
+def _raw_request(url: str, head: bytes, body: bytes = b"") -> bytes:
+    """Send a raw request; the first reply bytes (b"" if closed unanswered)."""
+    host, port = url.split("/")[2].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        try:
+            client.sendall(head + body)
+            return client.recv(4096)
+        except OSError:
+            return b""
+
+
+def test_idle_connections_and_oversized_bodies_leave_room_for_hints(
+    recorder: Recorder,
+) -> None:
+    """Any local process can connect: 2,000 idle connections (as many as
+    the descriptor limit allows) and a few slow or oversized requests must
+    neither take a thread each nor keep a hint out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2000 + 1000
+    limit = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, limit), hard))
+    server = HintServer(on_hint=recorder)
+    idle: list[socket.socket] = []
+    threads = threading.active_count()
+    try:
+        host, port = server.url.split("/")[2].split(":")
+        count = min(2000, limit - len(os.listdir("/proc/self/fd")) - 400)
+        for i in range(count):
+            client = socket.create_connection((host, int(port)), timeout=10)
+            if i % 100 == 0:  # slow senders: half a request head
+                client.sendall(b"POST /hint HTTP/1.1\r\nContent-Le")
+            idle.append(client)
+        assert count >= 1000
+        assert threading.active_count() <= threads  # no thread per connection
+        # at most MAX_CONNECTIONS on its side, once it accepted them all
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) - count < 256 + 400)
+        huge = b"POST /hint HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n"
+        assert _raw_request(server.url, huge).startswith(b"HTTP/1.1 413")
+        too_many = ("[" + ",".join(["1"] * ((1 << 20) + 1)) + "]").encode()
+        body = b'{"token_ids": ' + too_many + b"}"
+        head = f"POST /hint HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n"
+        assert _raw_request(server.url, head.encode(), body).startswith(b"HTTP/1.1 413")
+        for i in range(5):
+            assert send_hint(server.url, [i, i + 1], timeout=5)
+        assert recorder.hints == [([i, i + 1], None) for i in range(5)]
+    finally:
+        for client in idle:
+            client.close()
+        server.close()
+
+
+def test_the_worker_takes_a_bounded_queue_and_counts_drops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The callback (hashing a prompt's tokens) runs on one worker thread
+    from a bounded queue: while it is stuck, one hint waits and the next is
+    dropped (503, counted); the request threads never run it."""
+    monkeypatch.setattr(hints, "REPLY_WAIT_S", 0.05)
+    release = threading.Event()
+    ran_on: list[str] = []
+
+    def slow(token_ids: list[int], *, deadline_s: float | None) -> None:
+        ran_on.append(threading.current_thread().name)
+        release.wait(10)
+
+    server = HintServer(on_hint=slow, max_pending=1)
+    try:
+        assert send_hint(server.url, [1], timeout=5)  # running: 202
+        wait_until(lambda: len(ran_on) == 1)
+        assert send_hint(server.url, [2], timeout=5)  # queued: 202
+        assert not send_hint(server.url, [3], timeout=5)  # dropped: 503
+        assert server.dropped == 1
+        release.set()
+        wait_until(lambda: len(ran_on) == 2)
+        assert set(ran_on) == {"lmcache-tiered-hint-worker"}
+    finally:
+        release.set()
+        server.close()
+
+
+def test_a_shared_token_keeps_other_senders_out(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With LMCACHE_TIERED_HINT_TOKEN set on both sides, a hint without the
+    token is refused (401) and never reaches the callback."""
+    monkeypatch.setenv(hints.ENV_TOKEN, "s3cret")
+    server = HintServer(on_hint=recorder)
+    try:
+        assert send_hint(server.url, [1, 2])
+        assert not send_hint(server.url, [3], token="guess")
+        status, message = post(server.url, b'{"token_ids": [4]}')
+        assert status == 401 and hints.ENV_TOKEN in message
+        monkeypatch.delenv(hints.ENV_TOKEN)
+        assert not send_hint(server.url, [5])
+        assert send_hint(server.url, [6], token="s3cret")
+    finally:
+        server.close()
+    assert recorder.hints == [([1, 2], None), ([6], None)]
+
+
+def test_the_server_starts_from_a_thread_running_an_event_loop(
+    recorder: Recorder,
+) -> None:
+    """LMCache or vLLM may build the backend on a thread whose event loop is
+    running: the server's own loop must not need that thread."""
+
+    async def build() -> HintServer:
+        return HintServer(on_hint=recorder)
+
+    server = asyncio.run(build())
+    try:
+        assert send_hint(server.url, [3, 1])
+    finally:
+        server.close()
+    assert recorder.hints == [([3, 1], None)]

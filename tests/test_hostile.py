@@ -10,6 +10,7 @@ file system) are said where they are used.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -604,3 +605,114 @@ def test_slot_mb_below_one_chunk_is_refused_at_start(
         engine, _ = engine_factory(extra)
     assert "tiered" not in testing.get_backends(engine)
     assert "tiered.slot_mb: 0.01 MiB is less than one full chunk" in caplog.text
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _foreign_cold(cold: list[Path], owner: str) -> None:
+    """Another host's cold files, as its own tier leaves them."""
+    config = tiered_config(cold)
+    Tier(
+        config.tier_options(config.warm),
+        owner=owner,
+        max_payload=CHUNK_BYTES,
+        capacity_bytes=8 << 20,
+    ).close()
+
+
+def test_a_host_whose_files_will_not_open_leaks_nothing_and_is_backed_off(
+    device_dirs: list[Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead host's files half deleted (its second cold slab gone): each
+    try opened the first slab and leaked it, every 2 s. Every failed open
+    closes what it opened, the host is reported once, and it is tried again
+    only after a back-off."""
+    cold = [tmp_path / "cold0", tmp_path / "cold1"]
+    for path in cold:
+        path.mkdir()
+    _foreign_cold(cold, "kv-w0-hostC")
+    (cold[1] / "kv-w0-hostC.slab").unlink()
+    config = tiered_config(device_dirs, **{"cold.paths": [str(p) for p in cold]})
+    monkeypatch.setattr(shared_module, "REFRESH_S", 3600.0)  # we refresh here
+    # no back-off first: every refresh tries the host again
+    monkeypatch.setattr(shared_module, "RETRY_MAX_S", 0.0, raising=False)
+    opened: list[str] = []
+    real_open = tierfiles.open_tier_file
+
+    def counted(name: str, *args: Any) -> int:
+        opened.append(name)
+        return real_open(name, *args)
+
+    monkeypatch.setattr(tierfiles, "open_tier_file", counted)
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
+        cache = open_cache(config, Chunks())
+        try:
+            shared = cache.shared
+            before, tries = _open_fds(), len(opened)
+            for _ in range(20):
+                shared.refresh()
+            assert len(opened) >= tries + 20 * 2  # each try opened 2 files
+            assert _open_fds() == before
+            assert shared.tiers() == []
+            monkeypatch.setattr(shared_module, "RETRY_MAX_S", 60.0, raising=False)
+            shared.refresh()  # its wait was 0: tried, then backed off
+            tries = len(opened)
+            shared.refresh()
+            shared.refresh()
+            assert len(opened) == tries  # backed off: not tried again at once
+        finally:
+            cache.close()
+    assert len(warnings(caplog, "kv-w0-hostC.hdr")) == 1
+
+
+def test_an_engine_that_cannot_be_built_for_a_host_is_a_miss(
+    device_dirs: list[Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``io_engine: uring`` with ring memory exhausted (a stand-in: the
+    kernel's limit cannot be reached here) for another host's files: neither
+    start-up nor a refresh raises, their descriptors are closed, and the
+    host is read once the engine can be built."""
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    _foreign_cold([cold], "kv-w0-hostC")
+    real_make = tierfiles.make_engine
+    no_ring = [True]
+
+    def make_engine(kind: str, fds: list[int], depth: int) -> Any:
+        flags = fcntl.fcntl(fds[0], fcntl.F_GETFL)
+        read_only = flags & os.O_ACCMODE == os.O_RDONLY
+        if read_only and no_ring[0]:
+            raise RuntimeError("io_uring is unusable here: ENOMEM")
+        return real_make(kind, fds, depth)
+
+    monkeypatch.setattr(tierfiles, "make_engine", make_engine)
+    monkeypatch.setattr(shared_module, "RETRY_MAX_S", 0.0, raising=False)
+    monkeypatch.setattr(shared_module, "REFRESH_S", 3600.0)  # we refresh here
+    config = tiered_config(device_dirs, **{"cold.paths": [str(cold)]})
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
+        cache = open_cache(config, Chunks())  # start-up refreshes once
+        try:
+            before = _open_fds()
+            cache.shared.refresh()
+            assert cache.shared.tiers() == [] and _open_fds() == before
+            no_ring[0] = False
+            cache.shared.refresh()
+            (foreign,) = cache.shared.tiers()
+            assert _open_fds() > before
+            for name in os.listdir(cold):
+                if name.startswith("kv-w0-hostC."):
+                    (cold / name).unlink()
+            cache.shared.refresh()  # the host is gone: forgotten, files closed
+            assert cache.shared.tiers() == [] and _open_fds() == before
+            assert not foreign.files.fds
+        finally:
+            cache.close()
+    assert len(warnings(caplog, "ENOMEM")) == 1

@@ -34,6 +34,7 @@ from lmcache_tiered.io import (
     provisional,
     uring,
 )
+from lmcache_tiered.io import base as io_base
 from lmcache_tiered.io import ring as ring_abi
 from lmcache_tiered.io.uring import UringEngine
 from lmcache_tiered.storage.filesystems import filesystem_type
@@ -734,3 +735,146 @@ def test_a_slow_probe_hands_over_to_io_uring_without_losing_a_byte(
         expected = [random.Random(3 + i).randbytes(ALIGN) for i in range(3)]
         assert [bytes(b) for b in before] == expected
         assert _round_trip(engine, 4)
+
+
+def _closes_within(engine: IOEngine, seconds: float) -> float:
+    """How long ``engine.close()`` took; fails the test past ``seconds``
+    (the close is left running on a daemon thread)."""
+    started = time.monotonic()
+    closer = threading.Thread(target=engine.close, daemon=True)
+    closer.start()
+    closer.join(seconds)
+    assert not closer.is_alive(), f"close() still waiting after {seconds} s"
+    return time.monotonic() - started
+
+
+def test_uring_close_is_bounded_by_a_read_that_never_completes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung drive, made real: a read from an empty pipe stays in flight in
+    the kernel. close() returns after CLOSE_WAIT_S, fails the request that
+    never went out (ECANCELED), and the caller may close its descriptor at
+    once; the ring is freed when the hung read completes at last."""
+    monkeypatch.setattr(io_base, "CLOSE_WAIT_S", 0.3, raising=False)
+    read_end, write_end = os.pipe()
+    engine = UringEngine([read_end], 1)
+    ring_fd = engine.ring_fd
+    stuck = engine.submit([IORequest(0, 0, aligned_buffer(ALIGN))], write=False)
+    queued = engine.submit([IORequest(0, 0, aligned_buffer(ALIGN))], write=False)
+    time.sleep(0.1)
+    assert not stuck.done() and not queued.done()
+    try:
+        assert _closes_within(engine, 5) < 3
+        assert queued.result(timeout=5) == [-errno.ECANCELED]
+        assert not stuck.done()
+        os.close(read_end)  # the tier closes its files next
+        assert os.readlink(f"/proc/self/fd/{ring_fd}") == "anon_inode:[io_uring]"
+        os.write(write_end, b"late")  # the registered file is still the pipe
+        assert stuck.result(timeout=5) == [4]
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/self/fd/{ring_fd}") and (
+            os.readlink(f"/proc/self/fd/{ring_fd}") == "anon_inode:[io_uring]"
+        ):
+            assert time.monotonic() < deadline, "the ring was never freed"
+            time.sleep(0.01)
+    finally:
+        os.close(write_end)
+
+
+def test_threads_close_is_bounded_and_never_writes_to_a_reused_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer stuck in a hung drive (a stand-in: a pwritev that hangs
+    cannot be made on this machine's file systems) holds close() at most
+    CLOSE_WAIT_S; the tier then closes its descriptor and another file takes
+    its number: the stuck write, once it moves, still lands in its own file."""
+    monkeypatch.setattr(io_base, "CLOSE_WAIT_S", 0.3, raising=False)
+    slab, other = tmp_path / "slab", tmp_path / "other"
+    fd = os.open(slab, os.O_RDWR | os.O_CREAT, 0o600)
+    before = len(os.listdir("/proc/self/fd"))
+    engine = ThreadEngine([fd], 2)
+    entered, hung = threading.Event(), threading.Event()
+    transfer = engine._do_transfer
+
+    def hanging(request: IORequest, write: bool) -> int:
+        entered.set()
+        hung.wait(30)
+        return transfer(request, write)
+
+    monkeypatch.setattr(engine, "_do_transfer", hanging)
+    data = aligned_buffer(ALIGN)
+    data[:] = b"k" * ALIGN
+    stuck = engine.submit([IORequest(0, 0, data)], write=True)
+    assert entered.wait(5)
+    queued = engine.submit([IORequest(0, ALIGN, data)] * 2, write=True)
+    try:
+        assert _closes_within(engine, 5) < 3
+        assert queued.result(timeout=5) == [-errno.ECANCELED] * 2
+        os.close(fd)  # what the tier does once the engine's close returned
+        reused = os.open(other, os.O_RDWR | os.O_CREAT, 0o600)
+        assert reused == fd  # the lowest free number: the same one
+    finally:
+        hung.set()
+    try:
+        assert stuck.result(timeout=5) == [ALIGN]
+        assert slab.read_bytes() == b"k" * ALIGN
+        assert other.read_bytes() == b""
+    finally:
+        os.close(reused)
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/fd")) >= before:  # its own copy is closed
+        assert time.monotonic() < deadline, "the engine's descriptor leaked"
+        time.sleep(0.01)
+
+
+def test_provisional_close_also_closes_the_thread_pool_it_is_retiring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The switch to io_uring closes the thread pool, which waits for a
+    transfer stuck in a hung drive; a close of the tier meanwhile closed only
+    io_uring and left the pool running on the tier's descriptor numbers.
+    Now it closes both, within the bound, and the stuck write still lands
+    in its own file."""
+    monkeypatch.setattr(io_base, "CLOSE_WAIT_S", 0.5, raising=False)
+    slab = tmp_path / "slab"
+    fd = os.open(slab, os.O_RDWR | os.O_CREAT, 0o600)
+    proven = threading.Event()
+
+    def make_uring() -> tuple[IOEngine | None, str]:
+        assert proven.wait(10)
+        return UringEngine([fd], 4), "the probe passed"
+
+    engine = provisional.ProvisionalEngine([fd], 4, make_uring, lambda why: None)
+    pool = engine.current
+    assert isinstance(pool, ThreadEngine)
+    entered, hung = threading.Event(), threading.Event()
+    transfer = pool._do_transfer
+
+    def hanging(request: IORequest, write: bool) -> int:
+        entered.set()
+        hung.wait(30)
+        return transfer(request, write)
+
+    monkeypatch.setattr(pool, "_do_transfer", hanging)
+    data = aligned_buffer(ALIGN)
+    data[:] = b"p" * ALIGN
+    stuck = engine.submit([IORequest(0, 0, data)], write=True)
+    assert entered.wait(5)
+    proven.set()
+    assert engine.switched.wait(0) is False
+    deadline = time.monotonic() + 5
+    while engine.current is pool:  # the switch is now closing the pool
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert _closes_within(engine, 5) < 3
+        os.close(fd)
+        reused = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+    finally:
+        hung.set()
+    try:
+        assert stuck.result(timeout=5) == [ALIGN]
+        assert slab.read_bytes() == b"p" * ALIGN
+        assert (tmp_path / "other").read_bytes() == b""
+    finally:
+        os.close(reused)

@@ -202,3 +202,13 @@ def test_the_entry_points_load() -> None:
         p.name: p.load() for p in points.select(group="lmcache_tiered.warmup_policies")
     }
     assert {"none", "lookahead", "session", "frequency", "hinted"} <= set(policies)
+
+
+def test_no_module_is_over_600_lines() -> None:
+    """One job per module: past ~600 lines a module holds more than one."""
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > 600
+    }
+    assert long == {}

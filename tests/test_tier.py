@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -14,7 +15,7 @@ from conftest import ENGINES, payload_offset, random_kv
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered.io.base import EngineWrapper, IORequest
+from lmcache_tiered.io.base import EngineWrapper, IOEngine, IORequest
 from lmcache_tiered.storage import checks
 from lmcache_tiered.storage.index import Entry
 from lmcache_tiered.storage.layout import RecordHeader
@@ -378,6 +379,7 @@ def test_a_failing_check_is_raised_once_every_read_landed(
     assert not thread.is_alive(), "the reader never heard of its checks"
     assert [str(e) for e in raised] == ["a check broke"]
     assert sorted(checked) == [key(i).chunk_hash for i in range(4)]
+    assert all(e.readers == 0 for e in tier.index)  # all evictable again
     monkeypatch.setattr(Tier, "_finish_read", finish)
     assert all(o is not None for o in tier.read([key(0), key(2)], reader(allocator)))
 
@@ -394,3 +396,85 @@ def test_checks_run_in_place_once_the_pool_takes_no_work(
     batch.start(0, lambda n: n * 2, 21)
     batch.start(2, lambda: threading.get_ident())
     assert batch.wait() == [42, None, threading.get_ident()]
+
+
+def test_a_read_that_raises_leaves_its_slots_evictable(
+    tier_factory: TierFactory,
+    allocator: MixedMemoryAllocator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LMCache's allocator (given another host's header shape), the bounce
+    buffer or a check can raise mid-read; the read's records must stop
+    counting as being read, or a full tier pins them forever and drops
+    every later put."""
+    tier = tier_factory(capacity_bytes=2 * ((64 << 10) + 4096))
+    objs = [make_obj(allocator, i) for i in range(2)]
+    assert tier.write([(key(i), o) for i, o in enumerate(objs)]) == [True, True]
+    allocate = reader(allocator)
+    handed: list[MemoryObj] = []
+
+    def second_raises(header: RecordHeader) -> MemoryObj:
+        if handed:
+            raise ValueError("no such shape")
+        handed.append(allocate(header))
+        return handed[-1]
+
+    with pytest.raises(ValueError, match="no such shape"):
+        tier.read([key(0), key(1)], second_raises)
+    assert tier.write([(key(2), make_obj(allocator, 2))]) == [True]
+    assert handed[0].get_ref_count() == 0  # the first buffer was given back
+    calls: list[int] = []
+
+    def buffer_fails(size: int) -> memoryview:
+        calls.append(size)
+        raise MemoryError("no aligned memory")
+
+    monkeypatch.setattr("lmcache_tiered.storage.tier.aligned_buffer", buffer_fails)
+    stored = [k for k in (key(0), key(1), key(2)) if tier.contains(k)]
+    with pytest.raises(MemoryError):
+        tier.read_payloads(stored)
+    assert calls
+    monkeypatch.undo()
+    assert tier.write([(key(3), make_obj(allocator, 3))]) == [True]
+    assert tier.write([(key(4), make_obj(allocator, 4))]) == [True]
+    assert tier.stats.puts_dropped == 0
+    assert all(e.readers == 0 for e in tier.index)
+
+
+class FailingWrites(IOEngine):
+    """Wraps a tier's real engine and fails every write with EIO (no
+    dm-error in this container); reads go through."""
+
+    name = "failing-writes"
+
+    def __init__(self, inner: IOEngine) -> None:
+        super().__init__(inner.fds, inner.queue_depth)
+        self.inner = inner
+
+    def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
+        if not write:
+            return self.inner.submit(requests, write)
+        failed: Future[list[int]] = Future()
+        failed.set_result([-errno.EIO] * len(requests))
+        return failed
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_key_twice_in_a_batch_shares_its_one_write_result(
+    tier_factory: TierFactory, allocator: MixedMemoryAllocator
+) -> None:
+    """The multi-process adapter merges several tasks' puts into one batch,
+    so a key can come twice; its second copy must not be acknowledged before
+    (or unless) the first copy's write succeeded."""
+    tier = tier_factory()
+    tier.engine = FailingWrites(tier.engine)
+    obj = make_obj(allocator, 5)
+    assert tier.write([(key(5), obj), (key(6), obj), (key(5), obj)]) == [False] * 3
+    assert not tier.contains(key(5))
+    tier.engine = tier.engine.inner  # type: ignore[attr-defined]
+    assert tier.write([(key(5), obj), (key(6), obj), (key(5), obj)]) == [True] * 3
+    assert len(tier) == 2 and tier.stats.puts == 2
+    oversized = make_obj(allocator, 7, torch.Size([2, 2, 128, 128]))
+    assert tier.write([(key(7), oversized), (key(7), oversized)]) == [False] * 2

@@ -10,7 +10,10 @@ which read-only tiers apply to every read: never served half-done.
 Any member of the group the directory is shared with can put any file there:
 a name that is not a regular file (a FIFO, which would block ``open()``
 forever) is skipped with one WARNING, and every file is opened without
-blocking (:func:`lmcache_tiered.storage.files.open_regular`).
+blocking (:func:`lmcache_tiered.storage.files.open_regular`). A host whose
+files will not open (half deleted, other paths than ours, no engine for them)
+is a miss: one WARNING, then tries backed off up to :data:`RETRY_MAX_S`; a host
+whose header file is gone is forgotten and its files closed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ logger = logging.getLogger("lmcache_tiered")
 
 #: seconds between looks at what the other hosts stored
 REFRESH_S = 2.0
+#: longest wait before another try at a host whose files would not open (the
+#: wait doubles from REFRESH_S with each failure in a row)
+RETRY_MAX_S = 60.0
 #: a header file is read again only if its size or mtime changed, or its mtime
 #: was within this many seconds of our last read (a file system with coarse
 #: timestamps could hide a write in the same tick)
@@ -52,6 +58,8 @@ class SharedCold:
         self._read_at: dict[str, tuple[int, int, float]] = {}
         #: names already warned about as not being tier files
         self._refused: set[str] = set()
+        #: header file -> (failures in a row, monotonic time of the next try)
+        self._failing: dict[str, tuple[int, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,12 +79,18 @@ class SharedCold:
 
     def refresh(self) -> None:
         """Open the header files that appeared, re-read the known ones that
-        changed."""
+        changed, forget the ones that are gone. Never raises for one host's
+        files: they are a miss, tried again later (see :meth:`_failed`)."""
         own, settings = self._own, self._settings
         assert own is not None and settings.cold is not None
+        listed: set[str] = set()
         for name in sorted(os.listdir(own.paths[0])):
             owner = TierNames.owner_of(name)
             if owner is None or owner == own.owner:
+                continue
+            listed.add(name)
+            failing = self._failing.get(name)
+            if failing is not None and time.monotonic() < failing[1]:
                 continue
             tier = self._foreign.get(name)
             try:
@@ -101,12 +115,42 @@ class SharedCold:
                 else:
                     tier.refresh()
                 self._read_at[name] = (*stamp, read_at)
+                self._failing.pop(name, None)
             except ConfigError as exc:  # a link, a FIFO... planted under a tier name
-                self._refuse(name, str(exc))
-            except (OSError, ValueError) as exc:  # its files are half-made or gone
+                self._failed(name, str(exc))
+            except FileNotFoundError as exc:  # gone meanwhile: forgotten below
                 logger.debug("shared cold tier: skipping %s: %s", name, exc)
+            except Exception as exc:  # half-made files, an engine it cannot build
+                self._failed(name, f"{type(exc).__name__}: {exc}")
+        self._forget((set(self._foreign) | set(self._failing)) - listed)
         if self._stop.is_set():  # closed meanwhile: close what we opened
             for tier in self.tiers():
+                tier.close()
+
+    def _failed(self, name: str, why: str) -> None:
+        """Another host's files would not open or read: a miss, warned once
+        per name, tried again after a wait that doubles up to RETRY_MAX_S
+        (every try may cost descriptors, an engine, a log line)."""
+        count = self._failing.get(name, (0, 0.0))[0] + 1
+        wait = min(REFRESH_S * 2 ** min(count - 1, 16), RETRY_MAX_S)
+        self._failing[name] = (count, time.monotonic() + wait)
+        if name in self._refused:
+            logger.debug("shared cold tier: still skipping %s: %s", name, why)
+            return
+        self._refuse(
+            name, f"{why} (tried again later, at most every {RETRY_MAX_S:.0f} s)"
+        )
+
+    def _forget(self, names: set[str]) -> None:
+        """Close and forget the hosts whose header files are gone."""
+        for name in names:
+            with self._lock:
+                tier = self._foreign.pop(name, None)
+            self._read_at.pop(name, None)
+            self._failing.pop(name, None)
+            self._refused.discard(name)
+            if tier is not None:
+                logger.info("shared cold tier: %s is gone; its files are closed", name)
                 tier.close()
 
     def _refuse(self, name: str, why: str) -> None:
@@ -134,6 +178,8 @@ class SharedCold:
                 self.refresh()
             except OSError as exc:
                 logger.warning("shared cold tier: cannot list it: %s", exc)
+            except Exception:  # a bug: the refresher must outlive it
+                logger.exception("shared cold tier: refresh failed")
 
     def close(self) -> None:
         """Stop the refresher (waiting JOIN_S at most: a hung file system can

@@ -13,8 +13,11 @@ once; it drops puts past :data:`MAX_QUEUED_BYTES`, knows which keys are still
 pending, runs each put's callback once the store function stored it, and
 writes what is still queued when the interpreter exits (see
 :func:`_flush_at_exit`). Its close is bounded: what is not written within
-:data:`EXIT_FLUSH_S` is dropped, so nothing reads LMCache's memory after
-close returns (LMCache frees its CPU tier right after).
+:data:`EXIT_FLUSH_S` is dropped, and the batch being written gets at most
+:data:`~lmcache_tiered.io.base.CLOSE_WAIT_S` more, so nothing reads LMCache's
+memory after close returns (LMCache frees its CPU tier right after) unless a
+drive hangs a write longer than that: close then returns anyway (one WARNING),
+the write left to its engine.
 
 May touch: the objects it is handed (references, bytes) and the store
 function it is given; never a tier, the policy or LMCache's CPU tier.
@@ -35,7 +38,7 @@ from typing import Generic, TypeVar
 
 from lmcache.v1.memory_management import MemoryObj
 
-from lmcache_tiered.io import aligned_buffer
+from lmcache_tiered.io import aligned_buffer, base
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.storage.layout import align_up
 from lmcache_tiered.storage.payload import Payload
@@ -100,9 +103,12 @@ class BatchWorker(Generic[_Job]):
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Finish what is queued, then end the thread; False if it is still
+        busy after ``timeout`` seconds (a handler stuck in I/O)."""
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _take(
         self, backlog: deque[_Job | threading.Event | None]
@@ -282,8 +288,10 @@ class Writer:
 
     def close(self) -> None:
         """Write the queued puts for at most ``EXIT_FLUSH_S``, drop the rest
-        (counted, one WARNING), then stop the thread (idempotent). When it
-        returns no queued object is referenced or read any more."""
+        (counted, one WARNING), then stop the thread, waiting at most
+        ``CLOSE_WAIT_S`` for the batch being written (idempotent). When it
+        returns no queued object is referenced or read any more, unless a
+        hung drive holds that batch (one WARNING)."""
         with self._lock:
             if self._closed:
                 return
@@ -292,7 +300,16 @@ class Writer:
         dropped_before = self.puts_dropped
         # the batch being written is finished; what is behind it is released
         self._dropping = timed_out
-        self._worker.stop()
+        if not self._worker.stop(base.CLOSE_WAIT_S):
+            logger.warning(
+                "lmcache_tiered: closing, a write is still in flight %.3g s "
+                "after the %.3g s flush (a hung drive?): left behind with %d "
+                "puts, which stay referenced until it returns",
+                base.CLOSE_WAIT_S,
+                EXIT_FLUSH_S,
+                len(self._pending),
+            )
+            return
         if timed_out:
             logger.warning(
                 "lmcache_tiered: closing, %d puts still queued after %.3g s: "

@@ -15,6 +15,14 @@ from dataclasses import dataclass
 
 #: Alignment for O_DIRECT buffers, offsets and lengths (safe on every NVMe).
 ALIGN = 4096
+#: Longest an engine's close (and the writer's, for the batch it is writing)
+#: waits for I/O already in flight. A hung drive can hold a request for
+#: minutes: the close then returns, requests not yet started fail with
+#: ECANCELED, and the engine frees its resources (its own descriptors, the
+#: ring, whose registered files hold their own references) when the last one
+#: completes, so no request ever reaches a descriptor number the caller has
+#: closed and reused.
+CLOSE_WAIT_S = 5.0
 
 
 def write_depth(queue_depth: int) -> int:
@@ -88,9 +96,12 @@ class IOEngine(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Wait for in-flight requests, then release the engine's resources.
+        """Wait for in-flight requests (at most :data:`CLOSE_WAIT_S`), then
+        release the engine's resources.
 
-        The file descriptors belong to the caller and stay open.
+        The file descriptors belong to the caller and stay open; once close
+        returns the caller may close them, even with requests still stuck in
+        flight.
         """
 
     def __enter__(self) -> IOEngine:

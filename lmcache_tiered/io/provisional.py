@@ -50,6 +50,8 @@ class ProvisionalEngine(IOEngine):
         self._engine: IOEngine = ThreadEngine(fds, queue_depth)
         self.name = self._engine.name
         self._regions: list[memoryview] = []
+        #: the thread pool while the switch waits for what it holds
+        self._retiring: IOEngine | None = None
         self._closed = False
         self._started = time.monotonic()
         self._make_uring = make_uring
@@ -79,11 +81,14 @@ class ProvisionalEngine(IOEngine):
                 if self._regions:
                     engine.register_buffers(self._regions)
                 old, self._engine = self._engine, engine
+                self._retiring = old
                 self.name = engine.name
         if closed:  # the tier closed while the probe ran
             engine.close()
             return
         old.close()  # waits for what it holds; new batches go to io_uring
+        with self._lock:
+            self._retiring = None
         logger.info(
             "I/O engine: uring from now on, after %.1f s on threads (%s)",
             waited,
@@ -113,9 +118,15 @@ class ProvisionalEngine(IOEngine):
             return self._engine.register_buffers(regions)
 
     def close(self) -> None:
+        """Close the current engine and the thread pool still being retired
+        by a switch (each bounded: see CLOSE_WAIT_S), so that neither does
+        I/O on descriptors the tier closes next."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            engine = self._engine
-        engine.close()
+            engines = [self._engine]
+            if self._retiring is not None:
+                engines.append(self._retiring)
+        for engine in engines:
+            engine.close()

@@ -10,13 +10,18 @@ nothing from the kernel beyond plain syscalls.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from lmcache_tiered.io import base
 from lmcache_tiered.io.base import IOEngine, IORequest, write_depth
+
+logger = logging.getLogger("lmcache_tiered")
 
 #: More threads than this only add contention on a host's few cores.
 MAX_THREADS = 64
@@ -48,12 +53,27 @@ _Work = tuple[_Batch, int, IORequest]
 
 class ThreadEngine(IOEngine):
     """``queue_depth`` threads (at most :data:`MAX_THREADS`) doing positioned
-    I/O, reads first, writes on at most half of them."""
+    I/O, reads first, writes on at most half of them.
+
+    It does its I/O on duplicates of ``fds``, closed once its last thread is
+    done: a close that gives up on a hung transfer (see
+    :data:`~lmcache_tiered.io.base.CLOSE_WAIT_S`) lets the caller close its
+    descriptors, and the transfer, once it moves, still reaches its own file,
+    never another one opened meanwhile under the same number.
+    """
 
     name = "threads"
 
     def __init__(self, fds: Sequence[int], queue_depth: int) -> None:
         super().__init__(fds, queue_depth)
+        self._fds: list[int] = []
+        try:
+            for fd in self.fds:
+                self._fds.append(os.dup(fd))
+        except BaseException:
+            for fd in self._fds:
+                os.close(fd)
+            raise
         self.threads = min(queue_depth, MAX_THREADS)
         self._write_threads = write_depth(self.threads)
         self._ready = threading.Condition()
@@ -62,6 +82,8 @@ class ThreadEngine(IOEngine):
         self._writing = 0
         self._idle = 0
         self._closed = False
+        #: workers not yet ended; the last one after close closes ``_fds``
+        self._live = 0
         #: started as work comes, up to ``threads``
         self._workers: list[threading.Thread] = []
 
@@ -91,6 +113,7 @@ class ThreadEngine(IOEngine):
                 )
                 worker.start()
                 self._workers.append(worker)
+                self._live += 1
         return future
 
     def _next(self) -> _Work | None:
@@ -109,23 +132,28 @@ class ThreadEngine(IOEngine):
                 self._idle -= 1
 
     def _work(self) -> None:
-        while (work := self._next()) is not None:
-            batch, index, request = work
-            result = self._do_transfer(request, batch.write)
-            if batch.write:
-                with self._ready:
-                    self._writing -= 1
-                    self._ready.notify()  # a write held back may go now
-            batch.finish(index, result)
+        try:
+            while (work := self._next()) is not None:
+                batch, index, request = work
+                result = self._do_transfer(request, batch.write)
+                if batch.write:
+                    with self._ready:
+                        self._writing -= 1
+                        self._ready.notify()  # a write held back may go now
+                batch.finish(index, result)
+        finally:
+            with self._ready:
+                self._live -= 1
+            self._release_fds()
 
     def _do_transfer(self, request: IORequest, write: bool) -> int:
         # Python indexing would accept -1: a file index is checked explicitly.
-        if not 0 <= request.file < len(self.fds):
+        if not 0 <= request.file < len(self._fds):
             return -errno.EBADF
         buffer = request.buffer
         if not write and buffer.readonly:
             return -errno.EFAULT
-        fd = self.fds[request.file]
+        fd = self._fds[request.file]
         try:
             if write:
                 return os.pwritev(fd, [buffer], request.offset)
@@ -136,9 +164,38 @@ class ThreadEngine(IOEngine):
             return -errno.EINVAL
 
     def close(self) -> None:
+        """Finish what is queued, waiting at most CLOSE_WAIT_S; then fail what
+        has not started (ECANCELED) and leave a hung transfer behind."""
         with self._ready:
             self._closed = True
             self._ready.notify_all()
             workers = list(self._workers)
+        deadline = time.monotonic() + base.CLOSE_WAIT_S
         for worker in workers:
-            worker.join()
+            worker.join(max(0.0, deadline - time.monotonic()))
+        with self._ready:
+            stuck = sum(worker.is_alive() for worker in workers)
+            cancelled = [*self._reads, *self._writes]
+            self._reads.clear()
+            self._writes.clear()
+        for batch, index, _ in cancelled:
+            batch.finish(index, -errno.ECANCELED)
+        if stuck:
+            logger.warning(
+                "I/O engine threads: closing with %d transfers still in flight "
+                "after %.3g s (a hung drive?); %d not started were cancelled",
+                stuck,
+                base.CLOSE_WAIT_S,
+                len(cancelled),
+            )
+        self._release_fds()
+
+    def _release_fds(self) -> None:
+        """Close the engine's own descriptors once it is closed and no
+        worker can use them any more (once only)."""
+        with self._ready:
+            if not self._closed or self._live or not self._fds:
+                return
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from lmcache_tiered.io import base
 from lmcache_tiered.io import ring as uring_abi
 from lmcache_tiered.io.base import IOEngine, IORequest, write_depth
 
@@ -160,6 +161,10 @@ class UringEngine(IOEngine):
         self._inflight: dict[int, _Op] = {}
         self._next_tag = 1
         self._closing = False
+        #: the reaper has stopped (all I/O done after close)
+        self._reaped_out = False
+        #: a close gave up waiting: the reaper frees the ring when it stops
+        self._orphaned = False
         # Registered buffers: sorted start addresses, (end, index) per start,
         # and the views that keep the registered memory from being freed.
         self._starts: list[int] = []
@@ -301,6 +306,11 @@ class UringEngine(IOEngine):
             for batch in done:
                 batch.future.set_result(batch.results)
             if stop:
+                with self._lock:
+                    self._reaped_out = True
+                    orphaned = self._orphaned
+                if orphaned:  # close returned long ago: free the ring here
+                    self._teardown()
                 return
 
     def _waiting(self) -> bool:
@@ -396,6 +406,11 @@ class UringEngine(IOEngine):
             return
 
     def close(self) -> None:
+        """Finish what is queued, waiting at most CLOSE_WAIT_S; then fail what
+        has not gone to the kernel (ECANCELED) and leave what is in flight to
+        the reaper, which frees the ring once it completes. The ring's
+        registered files hold their own references: the caller may close its
+        descriptors as soon as this returns."""
         if threading.current_thread() is self._reaper:
             raise RuntimeError("UringEngine.close() called from a completion callback")
         with self._lock:
@@ -403,9 +418,36 @@ class UringEngine(IOEngine):
             if first:
                 self._closing = True
                 os.eventfd_write(self._efd, 1)
-        self._reaper.join()
-        if first:
-            with self._lock:
-                self._unregister_buffers_locked()
-            self._ring.close()
-            os.close(self._efd)
+        self._reaper.join(base.CLOSE_WAIT_S)
+        if not first:
+            return
+        done: list[_Batch] = []
+        with self._lock:
+            mine = self._reaped_out
+            if not mine:
+                self._orphaned = True
+                cancelled = [*self._pending_reads, *self._pending_writes]
+                self._pending_reads.clear()
+                self._pending_writes.clear()
+                for op in cancelled:
+                    if op.batch.finish(op.index, -errno.ECANCELED):
+                        done.append(op.batch)
+                os.eventfd_write(self._efd, 1)  # the reaper looks again
+                logger.warning(
+                    "io_uring: closing with %d requests still in flight after "
+                    "%.3g s (a hung drive?); %d not started were cancelled",
+                    len(self._inflight),
+                    base.CLOSE_WAIT_S,
+                    len(cancelled),
+                )
+        for batch in done:
+            batch.future.set_result(batch.results)
+        if mine:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Free the ring and the eventfd (no request is left in it)."""
+        with self._lock:
+            self._unregister_buffers_locked()
+        self._ring.close()
+        os.close(self._efd)

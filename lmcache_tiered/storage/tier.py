@@ -1,11 +1,13 @@
 """One storage level: the read and write data path over its files and index.
 
 A tier stores LMCache MemoryObjs in fixed-size slots striped over its devices
-(see :mod:`lmcache_tiered.storage.layout`). Reads and writes of a whole batch go to the
-engine at once, so every device has a deep queue. :class:`Tier` composes the
-rooms that do the rest: :mod:`lmcache_tiered.storage.index` (what is stored where,
-eviction), :mod:`lmcache_tiered.storage.tierfiles` (opening, locking, growing and
-reading back the files) and :mod:`lmcache_tiered.storage.health` (degrading after
+(see :mod:`lmcache_tiered.storage.layout`). Reads and writes of a whole batch
+go to the engine at once, so every device has a deep queue. The write half of
+the data path is :class:`lmcache_tiered.storage.tier_writes.TierWrites`;
+:class:`Tier` composes the modules that do the rest:
+:mod:`lmcache_tiered.storage.index` (what is stored where, eviction),
+:mod:`lmcache_tiered.storage.tierfiles` (opening, locking, growing and reading
+back the files) and :mod:`lmcache_tiered.storage.health` (degrading after
 failed I/O and recovering). The index is the only shared state; it is guarded
 by one lock that is never held across I/O.
 
@@ -18,12 +20,10 @@ configuration.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
 
@@ -31,35 +31,29 @@ from lmcache.v1.memory_management import MemoryObj
 
 from lmcache_tiered.config import ConfigError, TierOptions
 from lmcache_tiered.io import IOEngine, aligned_buffer
-from lmcache_tiered.io.base import ALIGN, IORequest
-from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.io.base import ALIGN
+from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.metrics import TierStats
 from lmcache_tiered.storage.base import StorageTier
-from lmcache_tiered.storage.checks import VERIFIERS, CheckBatch
+from lmcache_tiered.storage.checks import CheckBatch
 from lmcache_tiered.storage.health import TierHealth
 from lmcache_tiered.storage.index import Entry, SlotIndex
 from lmcache_tiered.storage.layout import (
-    HEADER_SIZE,
     Geometry,
     RecordHeader,
     TierNames,
     align_up,
-    payload_checksum,
 )
 from lmcache_tiered.storage.payload import Allocator, Payload, payload_view
+from lmcache_tiered.storage.tier_writes import TierWrites
 from lmcache_tiered.storage.tierfiles import TierFileSet, Transfer, plan_transfer
 
 __all__ = ["Allocator", "Payload", "Tier"]
 
 logger = logging.getLogger("lmcache_tiered")
 
-#: Slots preallocated on disk at a time as the tier fills up.
-_GROW_SLOTS = 64
-#: errnos of a full file system: the tier stops growing but is not degraded.
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
-
-class Tier(StorageTier):
+class Tier(TierWrites, StorageTier):
     """A striped, O_DIRECT, crash-consistent store of KV chunks.
 
     ``owner`` names this process's files (one slab per device and one header
@@ -253,10 +247,24 @@ class Tier(StorageTier):
                 self.stats.misses += len(keys)
                 return objs
             entries = self._begin_reads(keys)
-            objs = [None if e is None else allocate(e.header) for e in entries]
-            views = [None if o is None else payload_view(o) for o in objs]
-            direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
-            outcomes = self._read_into(entries, views, direct)
+            outcomes: list[bool | None] = [None] * len(keys)
+            try:
+                for i, entry in enumerate(entries):
+                    if entry is not None:
+                        objs[i] = allocate(entry.header)
+                views = [None if o is None else payload_view(o) for o in objs]
+                direct = [o is not None and o.data_ptr % ALIGN == 0 for o in objs]
+                outcomes = self._read_into(entries, views, direct)
+            except BaseException:
+                # the caller never sees these: give their memory back
+                for obj in objs:
+                    if obj is not None:
+                        obj.ref_count_down()
+                raise
+            finally:
+                # a raising allocator or check must not leave the records
+                # counted as being read: their slots could never be evicted
+                self._end_reads(entries, outcomes)
         for i, ok in enumerate(outcomes):
             obj = objs[i]
             if not ok and obj is not None:
@@ -271,11 +279,17 @@ class Tier(StorageTier):
                 self.stats.misses += len(keys)
                 return [None] * len(keys)
             entries = self._begin_reads(keys)
-            views = [
-                None if e is None else aligned_buffer(align_up(e.header.payload_size))
-                for e in entries
-            ]
-            outcomes = self._read_into(entries, views, [True] * len(keys))
+            outcomes: list[bool | None] = [None] * len(keys)
+            try:
+                views = [
+                    None
+                    if e is None
+                    else aligned_buffer(align_up(e.header.payload_size))
+                    for e in entries
+                ]
+                outcomes = self._read_into(entries, views, [True] * len(keys))
+            finally:  # see read: never leave a record counted as being read
+                self._end_reads(entries, outcomes)
         return [
             Payload.read_back(e.header, v)
             if ok and e is not None and v is not None
@@ -291,7 +305,8 @@ class Tier(StorageTier):
     ) -> list[bool | None]:
         """Read the records into ``views``; per record True (good), False
         (bad: dropped from the tier) or None (not read: no buffer, or the
-        device failed; the record stays).
+        device failed; the record stays). The caller ends the reads
+        (:meth:`_end_reads`), whether this returns or raises.
 
         One engine batch per record, all handed over in one call and in flight
         at once; each record is checked on the verifier pool
@@ -314,9 +329,7 @@ class Tier(StorageTier):
             landing.add_done_callback(
                 partial(self._landed, checks, i, entry, transfer, view, started)
             )
-        outcomes = checks.wait()
-        self._end_reads(entries, outcomes)
-        return outcomes
+        return checks.wait()
 
     def _landed(
         self,
@@ -387,174 +400,6 @@ class Tier(StorageTier):
                 else:
                     self.stats.misses += 1
                 self.index.end_read(entry, ok)
-
-    # --------------------------------------------------------------- writes
-
-    def write(self, items: Sequence[tuple[StoreKey, MemoryObj]]) -> list[bool]:
-        """Store LMCache MemoryObjs; see :meth:`write_payloads`."""
-        return self.write_payloads([Payload.of(key, obj) for key, obj in items])
-
-    def write_payloads(
-        self,
-        payloads: Sequence[Payload],
-        evict_only: Collection[StoreKey] | None = None,
-    ) -> list[bool]:
-        """Store a batch; True for each key that is stored when this returns.
-
-        Payloads go first, then the headers that make them visible, so a crash
-        never leaves a servable record with a torn payload. A key that cannot
-        get a slot (the tier is full of pinned or in-use records, its disk is
-        full, or it is degraded) is dropped and counted, never waited for.
-        Keys are given in prefix order (heads first) and become most recent
-        heads last, so tails are evicted first. With ``evict_only`` (keys
-        already copied elsewhere, see :meth:`victims`) no other record is
-        evicted: a chunk that needs more room is refused instead.
-        """
-        if self.read_only:
-            return [False] * len(payloads)
-        allowed = None if evict_only is None else {key_digest(k) for k in evict_only}
-        with self.health.in_use() as usable:
-            if usable:
-                return self._write_payloads(payloads, allowed)[0]
-        self.stats.puts_dropped += len(payloads)
-        return [False] * len(payloads)
-
-    def _write_payloads(
-        self, payloads: Sequence[Payload], allowed: set[bytes] | None
-    ) -> tuple[list[bool], int]:
-        """Whether each payload is stored, and the payload bytes written."""
-        stored = [False] * len(payloads)
-        # heads get the higher sequence numbers: a restart, which orders the
-        # index by sequence, keeps them more recent than their tails
-        with self._lock:
-            last_sequence = self.index.reserve_sequences(len(payloads))
-        taken: list[tuple[int, int, Payload, Transfer]] = []
-        evicted: list[StoreKey] = []
-        seen: set[bytes] = set()
-        for i, payload in enumerate(payloads):
-            digest = key_digest(payload.key)
-            if payload.key in self.index or digest in seen:
-                stored[i] = True
-                continue
-            seen.add(digest)
-            size = len(payload.view)
-            if size > self.geometry.max_payload:
-                logger.warning(
-                    "tier %s: chunk of %d bytes exceeds the slot size %d; "
-                    "set %s higher to store it",
-                    self.name,
-                    size,
-                    self.geometry.max_payload,
-                    self._slot_setting,
-                )
-                self.stats.puts_dropped += 1
-                continue
-            slot = self._take_slot(evicted, allowed)
-            if slot is None:
-                self.stats.puts_dropped += 1
-                continue
-            transfer = plan_transfer(
-                self.geometry, slot, size, payload.view, payload.direct, False
-            )
-            taken.append((i, slot, payload, transfer))
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
-        if not taken:
-            return stored, 0
-        requests = [r for _, _, _, t in taken for r in t.requests]
-        writing = self.files.submit(requests, write=True)
-        # checksums on the verifier threads while the payloads are in flight
-        checksums = VERIFIERS.map(payload_checksum, [p.view for _, _, p, _ in taken])
-        planned = [
-            (i, Entry(slot, payload.header(crc, last_sequence - i)), t)
-            for (i, slot, payload, t), crc in zip(taken, checksums, strict=True)
-        ]
-        payload_ok = self._finish_writes(requests, writing, planned)
-        headers = []
-        for ok, (_, entry, _) in zip(payload_ok, planned, strict=True):
-            if ok:
-                block = aligned_buffer(HEADER_SIZE)
-                block[:] = entry.header.encode()
-                offset = Geometry.header_offset(entry.slot)
-                headers.append(IORequest(self.files.header_file, offset, block))
-        header_ok = iter(self._write_all(headers) if headers else ())
-        done = [ok and next(header_ok) for ok in payload_ok]
-        if any(done) and (gone := self.files.missing()) is not None:
-            # written into a file no longer at its path: lost on restart
-            self.health.degrade(f"{gone} was removed or replaced")
-            done = [False] * len(done)
-        moved = 0
-        with self._lock:
-            # tails first, so the chain's head ends up the most recent
-            for ok, (i, entry, _) in reversed(list(zip(done, planned, strict=True))):
-                if ok:
-                    self.index.insert(entry)
-                    self.stats.puts += 1
-                    self.stats.bytes_written += entry.header.payload_size
-                    moved += entry.header.payload_size
-                    stored[i] = True
-                else:
-                    self.stats.io_errors += 1
-                    self.index.give_back(entry.slot)
-        return stored, moved
-
-    def _write_all(self, requests: list[IORequest]) -> list[bool]:
-        """Write a batch (and fdatasync if configured); success per request."""
-        return self._finish_writes(requests, self.files.submit(requests, write=True))
-
-    def _finish_writes(
-        self,
-        requests: list[IORequest],
-        writing: Future[list[int]],
-        per_record: Sequence[tuple[int, Entry, Transfer]] | None = None,
-    ) -> list[bool]:
-        """Wait for a submitted batch (see :meth:`TierFileSet.written`);
-        success per record, or per request when ``per_record`` is None."""
-        written, failure = self.files.written(requests, writing)
-        self.health.note_io(failure)
-        if per_record is None:
-            return written
-        flags = iter(written)
-        return [all([next(flags) for _ in t.requests]) for _, _, t in per_record]
-
-    def _take_slot(
-        self, evicted: list[StoreKey], allowed: set[bytes] | None
-    ) -> int | None:
-        """A free slot: a released one, a new one, or the first eviction
-        candidate's (whose key is appended to ``evicted``); victims only from
-        ``allowed`` if set."""
-        with self._lock:
-            if (slot := self.index.free_slot()) is not None:
-                return slot
-            if self.index.allocated_slots < self.index.max_slots:
-                return self._grow()
-            entry = self.index.popitem(allowed)
-            if entry is None:
-                return None
-            self.stats.evictions += 1
-            evicted.append(entry.header.key)
-            return entry.slot
-
-    def _grow(self) -> int | None:
-        """Preallocate the next group of slots on every device (locked)."""
-        first = self.index.allocated_slots
-        count = min(_GROW_SLOTS, self.index.max_slots - first)
-        try:
-            self.files.preallocate(first, count)
-        except OSError as exc:
-            if exc.errno not in _FULL_ERRNOS:
-                # a failing device, not a full one: a dropped put, counted
-                self.stats.io_errors += 1
-                return None
-            logger.warning(
-                "tier %s: cannot grow past %d slots (%s); it stays at that size",
-                self.name,
-                first,
-                os.strerror(exc.errno or 0),
-            )
-            self.index.max_slots = first
-            return None
-        return self.index.add_slots(count)
 
     # ------------------------------------------------------ load, recover
 

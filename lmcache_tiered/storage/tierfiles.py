@@ -214,12 +214,21 @@ class TierFileSet:
         """
         kind, depth = self.options.io_engine, self.options.queue_depth
         if self.read_only:
-            self.fds = [self._open(name) for name in self.names]
-            self._lock_fds = []
-            self.engine = make_engine(kind, self.fds, depth)
+            # another host's files: a later one may be missing (its host has
+            # other paths, or is half deleted); never leak the earlier ones
+            fds: list[int] = []
+            try:
+                for name in self.names:
+                    fds.append(self._open(name))
+                engine = make_engine(kind, fds, depth)
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            self.fds, self._lock_fds, self.engine = fds, [], engine
             return
         lock_fds: list[int] = []
-        fds: list[int] = []
+        fds = []
         try:
             if held_lock is not None:
                 lock_fds.append(held_lock())

@@ -48,6 +48,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered._lmcache import watch_first_use
+from lmcache_tiered.io import base as io_base
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
 from lmcache_tiered.storage.base import StorageTier
@@ -207,11 +208,19 @@ class Promoter:
                 self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop the thread and release the promoter's pins."""
+        """Stop the thread and release the promoter's pins. A promotion stuck
+        in a hung drive's I/O is waited for at most CLOSE_WAIT_S, then left
+        behind (one WARNING): a pin it takes after that is not released."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(io_base.CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            logger.warning(
+                "lmcache_tiered: closing while a warm-up step is still running "
+                "after %.3g s (I/O on a hung drive?): left behind",
+                io_base.CLOSE_WAIT_S,
+            )
         with self._cond:
             promoted, self._promoted = list(self._promoted.values()), {}
         for promotion in promoted:
