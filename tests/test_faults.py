@@ -1272,3 +1272,64 @@ def test_close_while_a_promotion_is_stuck_on_a_hung_drive_is_bounded(
     finally:
         hung.set()
         cache.close()
+
+
+class HeldDevice(IOEngine):
+    """A stand-in for a hung drive: wraps a tier's real engine and holds every
+    batch until ``release`` is set (then does it for real)."""
+
+    name = "held-device"
+
+    def __init__(self, inner: IOEngine) -> None:
+        super().__init__(inner.fds, inner.queue_depth)
+        self.inner = inner
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
+        self.entered.set()
+        held: Future[list[int]] = Future()
+
+        def later() -> None:
+            self.release.wait(30)
+            done = self.inner.submit(requests, write)
+            done.add_done_callback(lambda f: held.set_result(f.result()))
+
+        threading.Thread(target=later, daemon=True).start()
+        return held
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_close_while_a_demand_read_is_stuck_on_a_hung_drive_is_bounded(
+    device_dirs: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A demand read spanning warm and cold reads cold on the reader's pool;
+    with the cold drive hung, closing the reader waited for that pool read
+    forever. It now gives up after CLOSE_WAIT_S."""
+    monkeypatch.setattr(io_base, "CLOSE_WAIT_S", 0.3, raising=False)
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    chunks = Chunks()
+    cache = open_cache(
+        tiered_config(device_dirs, **{"cold.paths": [str(cold)]}), chunks
+    )
+    assert chunks.store(cache.tiers["warm"], [1]) == [True]
+    assert chunks.store(cache.tiers["cold"], [2]) == [True]
+    device = HeldDevice(cache.tiers["cold"].engine)
+    cache.tiers["cold"].engine = device
+    reader = threading.Thread(target=lambda: cache.read([key(1), key(2)]), daemon=True)
+    reader.start()
+    try:
+        assert device.entered.wait(10)
+        started = time.monotonic()
+        closer = threading.Thread(target=cache.reader.close, daemon=True)
+        closer.start()
+        closer.join(5)
+        assert not closer.is_alive(), "close() waits for a stuck pool read"
+        assert time.monotonic() - started < 3
+    finally:
+        device.release.set()
+        reader.join(10)
+        cache.close()

@@ -17,20 +17,24 @@ failed their checks through ``changed``.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered.cache.writer import Writer
+from lmcache_tiered.io import base as io_base
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.layout import RecordHeader
 from lmcache_tiered.storage.payload import Allocator
 from lmcache_tiered.warmup.base import TierName
 from lmcache_tiered.warmup.promoter import Promoter
+
+logger = logging.getLogger("lmcache_tiered")
 
 #: Threads reading the tiers after the first of a demand read (cold, and
 #: other hosts' files in a shared cold tier), each in parallel with the others
@@ -68,6 +72,8 @@ class DemandReader:
         self._pool = ThreadPoolExecutor(
             max_workers=READ_THREADS, thread_name_prefix="lmcache-tiered-read"
         )
+        #: the pool's reads not yet done (set.add/discard: atomic under the GIL)
+        self._running: set[Future[None]] = set()
 
     def read(
         self,
@@ -113,6 +119,9 @@ class DemandReader:
                 )
                 for n, share in parts[1:]
             ]
+            for running in reads:
+                self._running.add(running)
+                running.add_done_callback(self._running.discard)
             try:
                 for n, share in parts[:1]:
                     self._read_tier(order[n], keys, share, into, objs, tried)
@@ -224,4 +233,14 @@ class DemandReader:
         return allocate
 
     def close(self) -> None:
-        self._pool.shutdown()
+        """Stop the pool, waiting at most CLOSE_WAIT_S for its reads: one
+        stuck in a hung drive is left behind (one WARNING)."""
+        self._pool.shutdown(wait=False)  # queued reads still run
+        _, stuck = wait(list(self._running), timeout=io_base.CLOSE_WAIT_S)
+        if stuck:
+            logger.warning(
+                "lmcache_tiered: closing with %d tier reads still running after "
+                "%.3g s (a hung drive?): left behind",
+                len(stuck),
+                io_base.CLOSE_WAIT_S,
+            )
