@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import select
 import threading
@@ -63,6 +64,7 @@ from lmcache_tiered._lmcache import object_key_to_string
 from lmcache_tiered.cache import writer
 from lmcache_tiered.cache.tiered_cache import TieredCache, tier_owner
 from lmcache_tiered.config import GIB, ConfigError, TieredConfig
+from lmcache_tiered.integration import mp as mp_module
 from lmcache_tiered.integration.mp import OWNER, TieredL2Adapter, TieredL2AdapterConfig
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.uring import UringEngine
@@ -1105,3 +1107,36 @@ def test_servers_of_two_hosts_share_a_cold_tier_from_the_start(
     finally:
         for adapter in adapters:
             adapter.close()
+
+
+def test_close_is_bounded_when_a_store_hangs(
+    adapter_factory: Callable[..., TieredL2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store stuck in I/O (a hung drive) delays the server's shutdown by
+    the writer's flush time at most, with one line naming the thread,
+    instead of forever (issue 51: close was not bounded)."""
+    monkeypatch.setattr(writer, "EXIT_FLUSH_S", 0.2)
+    monkeypatch.setattr(mp_module, "CLOSE_WAIT_S", 0.2)
+    adapter = adapter_factory()
+    assert adapter.cache is not None
+    stuck, release = threading.Event(), threading.Event()
+
+    def hung_store(payloads: list[Any]) -> list[bool]:
+        stuck.set()
+        release.wait(30)
+        return [False] * len(payloads)
+
+    monkeypatch.setattr(adapter.cache, "store", hung_store)
+    adapter.submit_store_task([okey(1)], [memory_obj(seed=1)])
+    assert stuck.wait(10)
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
+        adapter.close()
+    took = time.monotonic() - began
+    release.set()
+    assert took < 0.2 + 0.2 + 5.0  # the bounds, and the cache's own close
+    assert any(
+        "lmcache-tiered-l2-store still busy" in r.getMessage() for r in caplog.records
+    )

@@ -79,6 +79,7 @@ class BatchWorker(Generic[_Job]):
         weigh: Callable[[_Job], int] | None = None,
         max_weight: int = 0,
     ) -> None:
+        self.name = name
         self._handle = handle
         self._weigh = weigh
         self._max_weight = max_weight

@@ -77,6 +77,7 @@ from lmcache_tiered.integration.l2_work import (
     lookup,
     store_tasks,
 )
+from lmcache_tiered.io.base import CLOSE_WAIT_S
 from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.directories import DirectoryHold, recorded_max_payload
 
@@ -395,13 +396,23 @@ class TieredL2Adapter(L2Ledger):
         return [self._stores, self._lookups, self._loads]
 
     def close(self) -> None:
-        """Finish every accepted task, then release the cache and event fds."""
+        """Finish every accepted task, then release the cache and event fds;
+        bounded: stores get the writer's flush time, lookups and loads
+        :data:`~lmcache_tiered.io.base.CLOSE_WAIT_S` (a hung drive must not
+        hang the server's shutdown)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        for channel in self._channels():
-            channel.worker.stop()
+        waits = (writer.EXIT_FLUSH_S + CLOSE_WAIT_S, CLOSE_WAIT_S, CLOSE_WAIT_S)
+        for channel, wait in zip(self._channels(), waits, strict=True):
+            if not channel.worker.stop(wait):
+                logger.warning(
+                    "lmcache_tiered: %s still busy after %.0f s at close (a "
+                    "drive stuck in I/O?); closing without it",
+                    channel.worker.name,
+                    wait,
+                )
         if self.cache is not None:
             self.cache.close()
         for hold in self._holds.values():
