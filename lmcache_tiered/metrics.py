@@ -58,6 +58,23 @@ class TierStats:
 
 
 @dataclass
+class AdmissionStats:
+    """What the rule did, and how well it guessed."""
+
+    #: lookups with hits that the rule judged
+    lookups_judged: int = 0
+    #: of those, answered with a shorter prefix than was stored
+    prefixes_shortened: int = 0
+    #: stored chunks left for vLLM to recompute, and their tokens
+    chunks_recomputed: int = 0
+    tokens_recomputed: int = 0
+    #: admitted prefixes whose read was then timed, and those whose delivery
+    #: estimate came within 25 % (the rule's GOOD_ESTIMATE) of the time it took
+    estimates_checked: int = 0
+    estimates_within: int = 0
+
+
+@dataclass
 class WarmupStats:
     """What a warm-up policy asked for and what it bought."""
 
@@ -93,6 +110,7 @@ def _counters(stats: type) -> tuple[str, ...]:
 
 
 _TIER_COUNTERS = _counters(TierStats)
+_ADMISSION_COUNTERS = _counters(AdmissionStats)
 _WARMUP_COUNTERS = _counters(WarmupStats)
 
 
@@ -185,6 +203,15 @@ class TieredCollector(Collector):
                 family.add_metric(
                     [label, snap["warmup"]["policy"]], snap["warmup"][name]
                 )
+            yield family
+        for name in _ADMISSION_COUNTERS:
+            family = CounterMetricFamily(
+                f"lmcache_tiered_admission_{name}",
+                f"read-time admission: {name}",
+                labels=["instance"],
+            )
+            for label, snap in snaps:
+                family.add_metric([label], snap["admission"][name])
             yield family
 
 

@@ -18,6 +18,7 @@ failed their checks through ``changed``.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -25,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
+from lmcache_tiered.cache.admission import ReadAdmission
 from lmcache_tiered.cache.writer import Writer
 from lmcache_tiered.io import base as io_base
 from lmcache_tiered.keys import StoreKey, key_digest
@@ -50,6 +52,7 @@ class DemandReader:
     def __init__(
         self,
         *,
+        admission: ReadAdmission,
         order: ReadOrder,
         hot: LocalCPUBackend | None,
         allocate: Allocator | None,
@@ -58,6 +61,7 @@ class DemandReader:
         on_hit: Callable[[StoreKey, TierName], None],
         changed: Callable[[Sequence[StoreKey]], None],
     ) -> None:
+        self._admission = admission
         self._order = order
         self._hot = hot
         self._allocate = allocate
@@ -94,6 +98,16 @@ class DemandReader:
         """
         if into is None and self._allocate is None:
             raise ValueError("TieredCache.read: no buffers given and no allocator")
+        began = time.monotonic()
+        objs = self._read(keys, into)
+        self._admission.read_done(keys, time.monotonic() - began)
+        return objs
+
+    def _read(
+        self,
+        keys: Sequence[StoreKey],
+        into: Sequence[MemoryObj | None] | None,
+    ) -> list[MemoryObj | None]:
         objs: list[MemoryObj | None] = [None] * len(keys)
         #: indices a tier found and gave memory to: a miss among them is a
         #: record that failed its checks (dropped) or a device error
@@ -184,7 +198,9 @@ class DemandReader:
         policy hears of each hit, and cold hits are queued for warm."""
         name, tier = tier_entry
         allocate = self._read_memory(keys, missing, into, tried)
-        found = tier.read([keys[i] for i in missing], allocate)
+        nbytes = sum(h.payload_size for i in missing if (h := tier.header(keys[i])))
+        with self._admission.reading(name, nbytes):
+            found = tier.read([keys[i] for i in missing], allocate)
         for i, obj in zip(missing, found, strict=True):
             if obj is not None and into is not None:
                 obj.ref_count_down()  # the one _read_memory took

@@ -55,6 +55,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 from lmcache_tiered._lmcache import cpu_pool_bytes
+from lmcache_tiered.cache.admission import DEFAULT_CHUNK_TOKENS, ReadAdmission
 from lmcache_tiered.cache.reads import DemandReader
 from lmcache_tiered.cache.shared import SharedCold
 from lmcache_tiered.cache.writer import PutCallback, Writer
@@ -124,7 +125,8 @@ class TieredCache:
     none (plans for hot then go to warm, see the promoter). ``allocate`` gives
     memory for reads that bring no buffers of their own (``read(into=None)``).
     ``holds``: tiers' directories this process already holds; each tier
-    adopts its lock as it opens.
+    adopts its lock as it opens. ``chunk_tokens``: LMCache's chunk size
+    (the read-time admission's tokens per full chunk).
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class TieredCache:
         hot: LocalCPUBackend | None,
         allocate: Allocator | None = None,
         holds: Mapping[str, DirectoryHold] | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         self.settings = settings
         self.hot = hot
@@ -202,7 +205,14 @@ class TieredCache:
             tick_s=settings.warmup_tick_s,
             min_precision=settings.warmup_min_precision,
         )
+        #: the read-time admission rule (off without recompute_tokens_per_s)
+        self.admission = ReadAdmission(
+            settings.recompute_tokens_per_s,
+            full_chunk_bytes=max_payload,
+            chunk_tokens=chunk_tokens,
+        )
         self.reader = DemandReader(
+            admission=self.admission,
             order=self._read_order,
             hot=hot,
             allocate=allocate,
@@ -332,9 +342,29 @@ class TieredCache:
         return held
 
     def prefix_hits(self, keys: Sequence[StoreKey], pin: bool = False) -> int:
-        """Length of the prefix of ``keys`` held in warm or cold (pinned on
-        request, recency refreshed); the policy sees the whole lookup."""
-        return sum(self.lookup(keys, pin, prefix=True))
+        """Length of the prefix of ``keys`` held in warm or cold that the
+        tiers can deliver before it would be recomputed (pinned on request,
+        recency refreshed); the policy sees the whole lookup."""
+        return self.admitted(keys, sum(self.lookup(keys, pin, prefix=True)), pin)
+
+    def admitted(self, keys: Sequence[StoreKey], hits: int, pin: bool) -> int:
+        """Of the first ``hits`` of ``keys`` (held), how many to answer: the
+        read-time admission's prefix (:mod:`lmcache_tiered.cache.admission`);
+        those left out are unpinned again (LMCache will not)."""
+        if self.admission.recompute_tokens_per_s is None or not hits:
+            return hits  # the rule is off: nothing to weigh
+        chunks: list[tuple[TierName, int]] = []
+        order = self._read_order()  # a shared cold tier's other hosts too
+        for key in keys[:hits]:
+            found = next(((n, h) for n, tier in order if (h := tier.header(key))), None)
+            if found is None:
+                break  # gone since the lookup
+            chunks.append((found[0], found[1].payload_size))
+        admitted = self.admission.admit(keys, chunks)
+        if pin:
+            for key in keys[admitted:hits]:
+                self.unpin(key)
+        return admitted
 
     def register_memory(self, address: int, nbytes: int) -> None:
         """Register memory that reads land in (LMCache's CPU pool, the L1
@@ -501,6 +531,7 @@ class TieredCache:
             "puts_dropped": self.writer.puts_dropped,
             "puts_not_admitted": self.puts_not_admitted,
             "reads_from_hot": self.reader.reads_from_hot,
+            "admission": asdict(self.admission.stats),
         }
 
     # ------------------------------------------------------------------ close

@@ -236,6 +236,17 @@ SETTINGS: dict[str, Setting] = {
         "-1 (off)",
         field="hint_port",
     ),
+    "recompute_tokens_per_s": Setting(
+        positive(parse_float),
+        None,
+        "read-time admission: a lookup answers only the prefix of its hits the "
+        "tiers can deliver before vLLM would recompute it at this many prompt "
+        "tokens a second (measure it: prompt tokens / TTFT of one long request "
+        "on an idle vLLM; see Read-time admission); stored chunks left out stay "
+        "stored",
+        "off",
+        field="recompute_tokens_per_s",
+    ),
     "warm.admit_after_hits": Setting(
         in_range(parse_int, 0),
         0,

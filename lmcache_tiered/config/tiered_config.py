@@ -80,6 +80,7 @@ class TieredConfig:
     warmup_min_precision: float = _default("warmup.min_precision")
     warmup_tick_s: float = _default("warmup.tick_ms")
     hint_port: int = _default("warmup.hint_port")
+    recompute_tokens_per_s: float | None = _default("recompute_tokens_per_s")
     #: ``tiered.warmup.<policy>.<param>`` values, keyed ``<policy>.<param>``
     policy_params: Mapping[str, Any] = field(default_factory=dict)
 

@@ -41,10 +41,11 @@ from lmcache_tiered._lmcache import (
     before_cpu_pool_frees,
     cpu_pool_buffer,
 )
+from lmcache_tiered.cache.admission import DEFAULT_CHUNK_TOKENS
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.cache.writer import PutCallback
 from lmcache_tiered.config import ConfigError, TieredConfig, setting_key
-from lmcache_tiered.metrics import WarmupStats, collector
+from lmcache_tiered.metrics import AdmissionStats, WarmupStats, collector
 from lmcache_tiered.warmup.hints import HintServer
 
 logger = logging.getLogger("lmcache_tiered")
@@ -164,6 +165,7 @@ class TieredBackend(StoragePluginInterface):
             hot=hot,
             # never busy-loop: a full CPU pool must be a miss, not a hang
             allocate=lambda h: hot.allocate(h.shape, h.dtype, h.fmt, busy_loop=False),
+            chunk_tokens=int(getattr(self.config, "chunk_size", DEFAULT_CHUNK_TOKENS)),
         )
 
     def _log_ready(self) -> None:
@@ -331,7 +333,12 @@ class TieredBackend(StoragePluginInterface):
         """Counters per tier and of the warm-up policy, as plain data."""
         if self.cache is None:
             warmup = asdict(WarmupStats()) | {"policy": self.settings.warmup_policy}
-            return {"tiers": {}, "warmup": warmup, "reads_from_hot": 0}
+            return {
+                "tiers": {},
+                "warmup": warmup,
+                "reads_from_hot": 0,
+                "admission": asdict(AdmissionStats()),
+            }
         return self.cache.snapshot()
 
     # ------------------------------------------------------------------ close

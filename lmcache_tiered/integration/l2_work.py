@@ -175,12 +175,16 @@ def lookup(
     cache: TieredCache, keys: list[ObjectKey], bitmap: Bitmap, pin: bool
 ) -> None:
     """Look up (and pin) ``keys`` row by row (each row a chain the policy
-    sees); a failure is logged and the rest count as misses."""
+    sees), answering of each row's prefix of hits what the read-time
+    admission admits; a failure is logged and the rest count as misses."""
     try:
         for row in rows(keys):
-            held = cache.lookup(keys[row.start : row.stop], pin=pin)
+            chain = keys[row.start : row.stop]
+            held = cache.lookup(chain, pin=pin)
+            prefix = next((i for i, h in enumerate(held) if not h), len(held))
+            admitted = cache.admitted(chain, prefix, pin)
             for i, hit in zip(row, held, strict=True):
-                if hit:
+                if hit and not prefix > i - row.start >= admitted:
                     bitmap.set(i)
     except Exception:
         logger.exception("lmcache_tiered: L2 lookup failed")

@@ -390,6 +390,7 @@ class TieredL2Adapter(L2Ledger):
                 for name, t in ({} if cache is None else cache.tiers).items()
             },
             "warmup": counters.get("warmup"),
+            "admission": counters.get("admission"),
         }
 
     def _channels(self) -> list[Channel[Any, Any]]:

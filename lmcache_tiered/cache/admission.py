@@ -1,0 +1,170 @@
+"""Read-time admission: a lookup answers only the prefix of its hits that the
+tiers can deliver before recomputing that prefix would finish.
+
+A stored chunk is worth reading only while reading it is faster than the GPU
+computing it again. A cold tier behind a congested link, a degraded drive, a
+slow store or a queue of reads ahead can all make a hit slower than the
+recompute, and vLLM then waits for it (the complaint users of every KV
+offload system file most). So when LMCache asks what is stored, the hits are
+judged: for each prefix of ``k`` found chunks, the delivery estimate is the
+slowest tier's share of them plus the bytes already queued on that tier, at
+the rate its demand reads were last measured at (the tiers read in
+parallel); the recompute estimate is the prefix's tokens at
+``tiered.recompute_tokens_per_s``. The answer is the longest prefix whose
+delivery is no later than its recompute. A chunk left out stays stored; vLLM
+recomputes it this time. With no rate set the rule is off, and a tier not yet
+measured is taken to deliver at once.
+
+How well it guesses is measured too: each admitted prefix's estimate is
+compared with the time the demand read of those chunks then took
+(:class:`lmcache_tiered.metrics.AdmissionStats`: within :data:`GOOD_ESTIMATE`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from lmcache_tiered.keys import StoreKey, key_digest
+from lmcache_tiered.metrics import AdmissionStats
+from lmcache_tiered.warmup.base import TierName
+
+#: weight of a new measurement in a tier's read rate (an EWMA)
+RATE_WEIGHT = 0.2
+#: an estimate within this share of the measured read time counts as good
+GOOD_ESTIMATE = 0.25
+#: admitted prefixes remembered until their read (older ones are forgotten)
+ESTIMATES_KEPT = 4096
+#: LMCache's default chunk size, tokens (``chunk_size``)
+DEFAULT_CHUNK_TOKENS = 256
+#: seconds a tier's measured rate stands without a new read: a tier the rule
+#: stopped reading from (too slow then) is tried again after it, so a link
+#: that cleared is not judged by its congestion for ever
+RATE_TTL_S = 10.0
+
+
+@dataclass
+class _Tier:
+    """One tier's measured demand-read rate and the bytes queued on it."""
+
+    bytes_per_s: float | None = None
+    queued_bytes: int = 0
+    measured_at: float = 0.0
+
+    def rate(self, now: float) -> float | None:
+        """The measured rate while it stands (None: deliver at once)."""
+        if self.bytes_per_s is None or now - self.measured_at > RATE_TTL_S:
+            return None
+        return self.bytes_per_s
+
+
+class ReadAdmission:
+    """The rule over a cache's tiers: :meth:`admit` at lookup time,
+    :meth:`reading` around each tier's share of a demand read, and
+    :meth:`read_done` once a demand read returns."""
+
+    def __init__(
+        self,
+        recompute_tokens_per_s: float | None,
+        *,
+        full_chunk_bytes: int,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ) -> None:
+        self.recompute_tokens_per_s = recompute_tokens_per_s
+        self.full_chunk_bytes = full_chunk_bytes
+        self.chunk_tokens = chunk_tokens
+        self.stats = AdmissionStats()
+        self._tiers: dict[TierName, _Tier] = {}
+        self._estimates: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def tokens(self, payload_bytes: int) -> float:
+        """Tokens of a chunk of ``payload_bytes`` (a full chunk holds
+        ``chunk_tokens``; the last chunk of a prompt fewer)."""
+        return self.chunk_tokens * payload_bytes / self.full_chunk_bytes
+
+    def delivery_s(self, chunks: Sequence[tuple[TierName, int]]) -> float:
+        """Seconds to read ``chunks`` ((tier, payload bytes) each) now: the
+        slowest tier's share, behind what is queued on it."""
+        share: dict[TierName, int] = {}
+        for tier, nbytes in chunks:
+            share[tier] = share.get(tier, 0) + nbytes
+        now = time.monotonic()
+        with self._lock:
+            return max(
+                (
+                    (self._tiers[t].queued_bytes + n) / rate
+                    for t, n in share.items()
+                    if t in self._tiers and (rate := self._tiers[t].rate(now))
+                ),
+                default=0.0,
+            )
+
+    def admit(
+        self, keys: Sequence[StoreKey], chunks: Sequence[tuple[TierName, int]]
+    ) -> int:
+        """How many of the found ``chunks`` (the lookup's prefix of hits,
+        ``keys`` theirs) to answer: the longest prefix delivered no later
+        than it is recomputed (all of them with the rule off)."""
+        rate = self.recompute_tokens_per_s
+        if rate is None or not chunks:
+            return len(chunks)
+        admitted, estimate, tokens = 0, 0.0, 0.0
+        for k in range(1, len(chunks) + 1):
+            tokens += self.tokens(chunks[k - 1][1])
+            delivery = self.delivery_s(chunks[:k])
+            if delivery <= tokens / rate:
+                admitted, estimate = k, delivery
+        with self._lock:
+            stats = self.stats
+            stats.lookups_judged += 1
+            if admitted < len(chunks):
+                stats.prefixes_shortened += 1
+                stats.chunks_recomputed += len(chunks) - admitted
+                stats.tokens_recomputed += round(
+                    sum(self.tokens(n) for _, n in chunks[admitted:])
+                )
+            if admitted:
+                self._estimates[key_digest(keys[0])] = estimate
+                while len(self._estimates) > ESTIMATES_KEPT:
+                    self._estimates.popitem(last=False)
+        return admitted
+
+    @contextlib.contextmanager
+    def reading(self, tier: TierName, nbytes: int) -> Iterator[None]:
+        """Around one tier's share of a demand read of ``nbytes``: queued
+        while it runs, and its rate measured from how long it took."""
+        with self._lock:
+            state = self._tiers.setdefault(tier, _Tier())
+            state.queued_bytes += nbytes
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            took = time.monotonic() - began
+            with self._lock:
+                state.queued_bytes -= nbytes
+                if nbytes > 0 and took > 0:
+                    rate = nbytes / took
+                    old = state.rate(began)
+                    state.bytes_per_s = (
+                        rate if old is None else old + RATE_WEIGHT * (rate - old)
+                    )
+                    state.measured_at = began + took
+
+    def read_done(self, keys: Sequence[StoreKey], took_s: float) -> None:
+        """A demand read of ``keys`` took ``took_s``: held against the
+        estimate of the prefix it began with, if one was admitted."""
+        if not keys:
+            return
+        with self._lock:
+            estimate = self._estimates.pop(key_digest(keys[0]), None)
+            if estimate is None:
+                return
+            self.stats.estimates_checked += 1
+            if abs(estimate - took_s) <= GOOD_ESTIMATE * max(took_s, 1e-9):
+                self.stats.estimates_within += 1

@@ -1,0 +1,130 @@
+"""Read-time admission (issue 49): a lookup answers only the prefix of its
+hits that the tiers can deliver before recomputing it would finish."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from test_faults import Chunks, Verdict, key, open_cache, tiered_config
+
+from lmcache_tiered.cache import admission
+from lmcache_tiered.cache.admission import ReadAdmission
+from lmcache_tiered.io.base import EngineWrapper, IORequest
+from lmcache_tiered.storage.payload import Payload
+from lmcache_tiered.warmup.base import TierName
+
+MB = 1 << 20
+
+
+def judged(rule: ReadAdmission, tier: TierName, mbps: float) -> None:
+    """Make ``tier`` measured at ``mbps`` MB/s (one read of 1 MB)."""
+    with rule.reading(tier, MB):
+        time.sleep(MB / (mbps * 1e6))
+
+
+def test_without_a_recompute_rate_every_hit_is_answered() -> None:
+    rule = ReadAdmission(None, full_chunk_bytes=MB)
+    judged(rule, "cold", 1)  # however slow
+    assert rule.admit([key(i) for i in range(4)], [("cold", MB)] * 4) == 4
+    assert rule.stats.lookups_judged == 0
+
+
+def test_a_tier_not_yet_measured_delivers_at_once() -> None:
+    rule = ReadAdmission(1.0, full_chunk_bytes=MB)  # one token a second
+    assert rule.admit([key(0)], [("cold", MB)]) == 1
+
+
+def test_a_slow_tier_sends_the_prefix_to_recompute_a_fast_one_does_not() -> None:
+    """256 tokens a chunk at 10,000 tokens/s: 25.6 ms to recompute one. A
+    cold tier measured at 10 MB/s takes ~105 ms a 1 MiB chunk: recompute
+    wins and no chunk is answered; warm at 1 GB/s takes ~1 ms: all are."""
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "cold", 10)
+    judged(rule, "warm", 1000)
+    keys = [key(i) for i in range(4)]
+    assert rule.admit(keys, [("cold", MB)] * 4) == 0
+    assert rule.admit(keys, [("warm", MB)] * 4) == 4
+    # warm first, cold after: the warm head is worth reading, the cold tail
+    # would make the whole prefix later than recomputing it
+    assert rule.admit(keys, [("warm", MB)] * 2 + [("cold", MB)] * 2) == 2
+    stats = rule.stats
+    assert stats.lookups_judged == 3 and stats.prefixes_shortened == 2
+    assert stats.chunks_recomputed == 4 + 2
+    assert stats.tokens_recomputed == 6 * 256
+
+
+def test_reads_queued_on_a_tier_delay_its_delivery() -> None:
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "warm", 100)  # ~10 ms a chunk: under the 25.6 ms recompute
+    keys = [key(0)]
+    assert rule.admit(keys, [("warm", MB)]) == 1
+    with rule.reading("warm", 8 * MB):  # 8 MiB ahead: ~84 ms more
+        assert rule.admit(keys, [("warm", MB)]) == 0
+    assert rule.admit(keys, [("warm", MB)]) == 1
+
+
+def test_a_tier_judged_slow_is_tried_again_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no read measuring it (the rule stopped sending it any), a slow
+    tier's rate stands only RATE_TTL_S: then a lookup is answered again, so
+    a link that cleared is measured anew."""
+    monkeypatch.setattr(admission, "RATE_TTL_S", 0.2)
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "cold", 10)
+    assert rule.admit([key(0)], [("cold", MB)]) == 0
+    time.sleep(0.25)
+    assert rule.admit([key(0)], [("cold", MB)]) == 1
+
+
+class SlowDrive(EngineWrapper):
+    """A drive that takes ``delay_s`` more for every batch (a stand-in for a
+    congested link: no real drive here is that slow on demand)."""
+
+    delay_s = 0.0
+
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
+        if not write:
+            time.sleep(self.delay_s)
+        return self.inner.submit_many(batches, write)
+
+
+def test_the_cache_answers_what_its_slow_tier_can_deliver(tmp_path: Path) -> None:
+    """A real cache on real files: after a read of its warm tier measured it
+    slow (0.2 s a batch, a stand-in delay), a lookup answers no chunk (4 x
+    256 tokens at 10,000 tokens/s is 0.1 s of recompute), unpins them, and
+    they stay stored and exact. Fast again, the lookup answers all, and the
+    estimate is held against the read that follows."""
+    chunks = Chunks()
+    cache = open_cache(tiered_config([tmp_path], recompute_tokens_per_s=10_000), chunks)
+    try:
+        keys = [key(i) for i in range(4)]
+        objs = [chunks.make(i) for i in range(4)]
+        assert (
+            cache.store([Payload.of(k, o) for k, o in zip(keys, objs, strict=True)])
+            == [True] * 4
+        )
+        drive = SlowDrive(cache.warm.engine)
+        cache.warm.engine = drive
+        drive.delay_s = 0.2
+        verdict = Verdict()
+        verdict.check(range(4), cache.read(keys))  # measures warm: slow
+        assert cache.prefix_hits(keys, pin=True) == 0
+        assert cache.admission.stats.tokens_recomputed == 4 * 256
+        assert all((e := cache.warm.index.get(k)) and e.pins == 0 for k in keys)
+        drive.delay_s = 0.0
+        for _ in range(20):  # the rate recovers as reads measure it
+            verdict.check(range(4), cache.read(keys))
+        assert cache.prefix_hits(keys) == 4
+        verdict.check(range(4), cache.read(keys))
+        assert verdict.wrong_bytes == 0 and verdict.misses == 0
+        stats = cache.snapshot()["admission"]
+        assert stats["estimates_checked"] >= 1
+    finally:
+        cache.close()
