@@ -26,13 +26,14 @@ own (Redis ``maxmemory-policy``, LMCache's ``eviction`` JSON): a chunk it
 dropped is a miss at the next read.
 
 Failure: every operation waits at most
-:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`. LMCache's native Redis client
-never reconnects after the server goes away and can leave operations pending
-forever, so a prober checks the store every :data:`PROBE_S` seconds with a
-small write and read back of its own, of one of :data:`PROBE_OBJECTS` objects
-in turn until one passes (on a cluster they are likely on different nodes:
-one node lost is then the misses of its slots, not a failed check). The
-store is *down* after a failed check, a timed-out operation or
+:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`; a failed one whose
+adapter says its store is lost (our Mooncake connector) is an outage at once.
+LMCache's native Redis client never reconnects after the server goes away and
+can leave operations pending forever, so a prober checks the store every
+:data:`PROBE_S` seconds with a small write and read back of its own, of one of
+:data:`PROBE_OBJECTS` objects in turn until one passes (on a cluster they are
+likely on different nodes: one node lost is then the misses of its slots, not
+a failed check). The store is *down* after a failed check, a timed-out operation or
 :data:`DEGRADE_AFTER` failed operations in a row: lookups and reads answer
 misses at once and writes are dropped, the adapter is abandoned, and the
 prober checks a new one until a check passes; only then does the tier serve
@@ -74,7 +75,7 @@ from lmcache_tiered.storage.store_client import (
     HEADER_GROUP,
     PAYLOAD_GROUP,
     StoreClient,
-    StoreTimeout,
+    StoreUnavailable,
     build_adapter,
     close_later,
     object_key,
@@ -376,7 +377,7 @@ class AdapterTier:
             return [False] * len(keys)
         try:
             landed = client.load(keys, buffers)
-        except StoreTimeout as exc:
+        except StoreUnavailable as exc:
             self._degrade(str(exc))
             return [False] * len(keys)
         except Exception:
@@ -394,7 +395,7 @@ class AdapterTier:
             return False
         try:
             stored = client.store(keys, buffers)
-        except StoreTimeout as exc:
+        except StoreUnavailable as exc:
             self._degrade(str(exc))
             return False
         except Exception:
@@ -513,7 +514,7 @@ class AdapterTier:
                 # it answered: up, but full or read-only
                 return _Check(refused="a check's write was refused")
             landed = client.load([key], [back])[0]
-        except StoreTimeout as exc:
+        except StoreUnavailable as exc:
             return _Check(down=str(exc))
         except Exception as exc:
             return _Check(down=f"a check failed: {exc}")
