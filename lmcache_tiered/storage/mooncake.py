@@ -37,9 +37,10 @@ wrapper's completions carry one bool per key), so a lost Mooncake is a store
 that is down there, not one that refuses writes.
 
 One client per master and hostname serves every connector of the process:
-a new client against a master that does not answer blocks 40-90 s in
-Mooncake's setup (it is waited for at most ``timeout_s`` here), while a client
-that is up reconnects by itself when its master returns.
+Mooncake's setup against a master that does not answer retries 40-90 s
+holding the GIL, while a client that is up reconnects by itself when its
+master returns. A master whose port takes no connection within ``timeout_s``
+(at least 2 s) fails at once, naming the setting.
 
 May touch: the Mooncake pool ``master_server_address`` names; nothing on disk.
 """
@@ -132,8 +133,9 @@ def _store_class() -> Any:
 
 
 def _set_timeouts(timeout_s: float) -> None:
-    """Mooncake's timeouts, from its environment (read by its client; a value
-    the user set wins): an RPC to a hung master, a transfer to a hung memory
+    """Mooncake's timeouts, from its environment (read when its library
+    loads: the first connector's hold for the process; a value the user set
+    wins): an RPC to a hung master, a transfer to a hung memory
     process. Quiet logs unless asked for."""
     ms = max(1, round(timeout_s * 1000))
     seconds = str(max(1, round(timeout_s)))
@@ -185,6 +187,10 @@ def _codes(codes: Sequence[int]) -> str:
     return ", ".join(f"{c} x{failed.count(c)}" for c in sorted(set(failed)))
 
 
+class PoolClosed(RuntimeError):
+    """The process's Mooncake client was closed (at exit)."""
+
+
 class _Pool:
     """One Mooncake client of this process for one master and hostname,
     shared by its connectors: whether it is reachable, the check that says
@@ -204,9 +210,26 @@ class _Pool:
         self._check_key = f"lmcache-tiered-check@{hostname}@{os.getpid()}"
         self._check_buffer = np.full(CHECK_BYTES, 0x5A, dtype=np.uint8)
         self._closed = threading.Event()
+        #: calls under way, counted so close waits for them
+        self._calls = 0
+        self._idle = threading.Condition()
         threading.Thread(
             target=self._maintain, name="lmcache-tiered-mooncake", daemon=True
         ).start()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Mooncake's ``method`` on the client, never once it is closed (a
+        call on a closed client crashes the process)."""
+        with self._idle:
+            if self._closed.is_set():
+                raise PoolClosed(f"the Mooncake client of {self.master} is closed")
+            self._calls += 1
+        try:
+            return getattr(self.client, method)(*args)
+        finally:
+            with self._idle:
+                self._calls -= 1
+                self._idle.notify_all()
 
     def failed(self, codes: Sequence[int]) -> None:
         """Mark the pool unreachable if ``codes`` say the master or a memory
@@ -252,6 +275,8 @@ class _Pool:
                     self._check()
                 elif self._pending:
                     self._retry_deletes()
+            except PoolClosed:
+                return
             except Exception:
                 logger.exception("lmcache_tiered: Mooncake upkeep failed")
 
@@ -259,12 +284,12 @@ class _Pool:
         """A small upsert and read back; on success the pool serves again."""
         buffer = self._check_buffer
         address = int(buffer.ctypes.data)
-        put = self.client.upsert_from(self._check_key, address, CHECK_BYTES)
+        put = self.call("upsert_from", self._check_key, address, CHECK_BYTES)
         back = np.zeros(CHECK_BYTES, dtype=np.uint8)
         got = NOT_FOUND
         if put == 0:
-            got = self.client.get_into(
-                self._check_key, int(back.ctypes.data), CHECK_BYTES
+            got = self.call(
+                "get_into", self._check_key, int(back.ctypes.data), CHECK_BYTES
             )
         if got != CHECK_BYTES or not np.array_equal(back, buffer):
             return
@@ -280,72 +305,68 @@ class _Pool:
         with self.delete_lock:
             with self._lock:
                 keys = list(self._pending)
-            codes = self.client.batch_remove(keys)
+            codes = self.call("batch_remove", keys)
             with self._lock:
                 for key, code in zip(keys, codes, strict=True):
                     if code != HAS_LEASE and code not in UNREACHABLE:
                         self._pending.pop(key, None)
 
     def close(self) -> None:
-        self._closed.set()
-        self.client.close()
+        """Close the client once no call is under way (within 5 s; else it
+        is left open: better than a crash)."""
+        with self._idle:
+            self._closed.set()
+            idle = self._idle.wait_for(lambda: self._calls == 0, timeout=5)
+        if idle:
+            self.client.close()
 
 
 _POOLS: dict[tuple[str, ...], _Pool] = {}
-#: setups under way, by pool key: (done, outcome: a pool or an error text)
-_SETUPS: dict[tuple[str, ...], tuple[threading.Event, list[Any]]] = {}
 _POOLS_LOCK = threading.Lock()
+
+
+def _answers(master: str, wait_s: float) -> None:
+    """ConnectionError unless the master's RPC port takes a connection
+    within ``wait_s``: Mooncake's setup against a port nobody listens on
+    retries for 90 s holding the GIL (every thread of the process stops)."""
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(
+            f"adapter_params.master_server_address: expected host:port of "
+            f"mooncake_master's -rpc_port, got {master!r}"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), wait_s).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"lmcache_tiered: no Mooncake master answers at {master} ({exc}; "
+            f"waited up to {wait_s:g} s): start mooncake_master there, or fix "
+            f"adapter_params.master_server_address (host:port of its -rpc_port)"
+        ) from None
 
 
 def _pool(
     master: str, hostname: str, metadata: str, protocol: str, buffer: int, wait_s: float
 ) -> _Pool:
-    """The process's client for this master, set up if need be (waited for
-    at most ``wait_s``; a setup that outlasts it goes on, for the next
-    caller)."""
+    """The process's client for this master, set up if need be. A master
+    that takes connections but never answers (stopped) still holds the
+    first setup up to 40 s: Mooncake's setup cannot be bounded from here."""
     key = (master, hostname, metadata, protocol, str(buffer))
     with _POOLS_LOCK:
         if (pool := _POOLS.get(key)) is not None:
             return pool
-        if key not in _SETUPS:
-            cls = _store_class()
-            _SETUPS[key] = (threading.Event(), [])
-            done, outcome = _SETUPS[key]
-
-            def setup() -> None:
-                client = cls()
-                try:
-                    rc = client.setup(
-                        hostname, metadata, 0, buffer, protocol, "", master
-                    )
-                except Exception as exc:  # bad argument types, mostly
-                    rc = f"{type(exc).__name__}: {exc}"
-                with _POOLS_LOCK:
-                    del _SETUPS[key]
-                    if rc == 0:
-                        _POOLS[key] = _Pool(client, master, hostname)
-                    outcome.append(_POOLS.get(key) or rc)
-                done.set()
-
-            threading.Thread(
-                target=setup, name="lmcache-tiered-mooncake-setup", daemon=True
-            ).start()
-        done, outcome = _SETUPS[key]
-    if not done.wait(wait_s):
-        raise ConnectionError(
-            f"lmcache_tiered: no answer from the Mooncake master at {master} "
-            f"within {wait_s:g} s (adapter_params.master_server_address): start "
-            f"mooncake_master there, or fix the address (host:port of its "
-            f"-rpc_port)"
-        )
-    if isinstance(outcome[0], _Pool):
-        return outcome[0]
-    raise ConnectionError(
-        f"lmcache_tiered: Mooncake's client setup against the master at {master} "
-        f"failed ({outcome[0]}; adapter_params.master_server_address, "
-        f"local_hostname {hostname}, protocol {protocol}): check that "
-        f"mooncake_master runs there"
-    )
+        _answers(master, wait_s)
+        client = _store_class()()
+        rc = client.setup(hostname, metadata, 0, buffer, protocol, "", master)
+        if rc != 0:
+            raise ConnectionError(
+                f"lmcache_tiered: Mooncake's client setup against the master at "
+                f"{master} failed (code {rc}; adapter_params.master_server_address,"
+                f" local_hostname {hostname}, protocol {protocol}): check that "
+                f"mooncake_master runs there and this host reaches it"
+            )
+        pool = _POOLS[key] = _Pool(client, master, hostname)
+        return pool
 
 
 def close_pools() -> None:
@@ -414,8 +435,8 @@ class MooncakeConnector:
             )
         buffer = _size("local_buffer_size", params.get("local_buffer_size", 16 << 20))
         _check_hostname(hostname)
+        _set_timeouts(timeout_s)  # before Mooncake's library loads: read then
         _store_class()  # what to install, before anything starts
-        _set_timeouts(timeout_s)
         metadata = str(params.get("metadata_server", "P2PHANDSHAKE"))
         self.pool = _pool(
             master, hostname, metadata, protocol, buffer, max(timeout_s, 2.0)
@@ -489,6 +510,9 @@ class MooncakeConnector:
                 return
             try:
                 ok, error, results = op(*args)
+            except PoolClosed as exc:
+                self._complete(future, False, str(exc), None)
+                return
             except Exception as exc:
                 logger.exception("lmcache_tiered: a Mooncake operation failed")
                 self._complete(future, False, f"{type(exc).__name__}: {exc}", None)
@@ -515,7 +539,7 @@ class MooncakeConnector:
         """Into the callers' buffers; a key lands only if its object has
         exactly the buffer's size."""
         addresses, sizes = _addresses(views)
-        codes = self.pool.client.batch_get_into(keys, addresses, sizes)
+        codes = self.pool.call("batch_get_into", keys, addresses, sizes)
         self.pool.failed(codes)
         landed = [c == s for c, s in zip(codes, sizes, strict=True)]
         return all(landed), _codes(codes), landed
@@ -524,13 +548,13 @@ class MooncakeConnector:
         addresses, sizes = _addresses(views)
         with self.pool.delete_lock:  # after a delete of the same key under way
             self.pool.cancel_deletes(keys)
-        codes = self.pool.client.batch_upsert_from(keys, addresses, sizes)
+        codes = self.pool.call("batch_upsert_from", keys, addresses, sizes)
         self.pool.failed(codes)
         stored = [c == 0 for c in codes]
         return all(stored), _codes(codes), stored
 
     def _exists(self, keys: list[str]) -> tuple[bool, str, list[bool]]:
-        codes = self.pool.client.batch_is_exist(keys)
+        codes = self.pool.call("batch_is_exist", keys)
         self.pool.failed(codes)
         failed = [c for c in codes if c < 0]
         return not failed, _codes(codes), [c == 1 for c in codes]
@@ -540,7 +564,7 @@ class MooncakeConnector:
         by the pool's upkeep): each is a delete done, as far as LMCache
         needs to know."""
         with self.pool.delete_lock:
-            codes = self.pool.client.batch_remove(keys)
+            codes = self.pool.call("batch_remove", keys)
         self.pool.failed(codes)
         later = [
             k

@@ -44,17 +44,24 @@ def mooncake_binary(name: str) -> str:
 
 class MooncakePool:
     """``lease_ms``: the master's lease on an object after a read (its
-    default is 10 s; short ones keep tests short). ``memory``: the pool's
-    size, held by the mooncake_client process."""
+    default is 10 s; short ones keep tests short). ``client_ttl_s``: how long
+    the master keeps a memory process that stopped answering, and its objects
+    (default 10 s). ``memory``: the pool's size, held by the mooncake_client
+    process."""
 
     def __init__(
-        self, log_dir: Path, lease_ms: int = 500, memory: str = "256MB"
+        self,
+        log_dir: Path,
+        lease_ms: int = 500,
+        client_ttl_s: int = 10,
+        memory: str = "256MB",
     ) -> None:
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.master_port, self.metrics_port = free_port(), free_port()
         self.memory_port = free_port()
         self.lease_ms = lease_ms
+        self.client_ttl_s = client_ttl_s
         self.memory_size = memory
         self.master: subprocess.Popen[bytes] | None = None
         self.memory: subprocess.Popen[bytes] | None = None
@@ -85,7 +92,8 @@ class MooncakePool:
              "-rpc_address", "127.0.0.1", "-rpc_port", str(self.master_port),
              "-metrics_host", "127.0.0.1", "-metrics_port", str(self.metrics_port),
              "-enable_http_metadata_server=false", "-log_dir", str(self.log_dir),
-             "-default_kv_lease_ttl", str(self.lease_ms)],
+             "-default_kv_lease_ttl", str(self.lease_ms),
+             "-client_ttl", str(self.client_ttl_s)],
             self.master_port,
             "mooncake_master",
         )  # fmt: skip
