@@ -7,7 +7,8 @@ the tests' mooncake_master, mooncake_client and engines run in a namespace
 where nothing but 127.0.0.1 exists: ``unshare -n`` (root), then ``ip link set
 lo up``, then pytest on that module. They skip only where Mooncake is not
 installed or the namespace is refused; .ci/run installs Mooncake and runs as
-root, so there nothing is skipped.
+root, so there nothing is skipped (its stable leg sets
+LMCACHE_TIERED_REQUIRE_MOONCAKE=1: a skip would be a failure there).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def test_mooncake_cold_tier_in_its_own_network_namespace() -> None:
     """All of tests/mooncake_netns.py, in one namespace of its own: pass,
     none skipped (its run times are in the output: --durations)."""
     missing = _mooncake_missing() or _netns_refused()
+    if missing and os.environ.get("LMCACHE_TIERED_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(f"LMCACHE_TIERED_REQUIRE_MOONCAKE=1, but {missing}")
     if missing:
         pytest.skip(missing)
     env = os.environ | {NETNS_ENV: "1"}
