@@ -4,8 +4,9 @@
 LMCache's ``lmcache server --l2-adapter`` takes, e.g. ``{"type": "resp",
 "host": "redis.internal", "port": 6379}``; the adapter is built by LMCache's
 own parser and factory, so every adapter type it ships (``resp``/``valkey``,
-``s3``, ``mooncake_store``, ``fs``, ...) works and is configured as LMCache
-documents it.
+``s3``, ``fs``, ...) works and is configured as LMCache documents it, and so
+does a ``native_plugin`` connector such as ours for Mooncake Store
+(:mod:`lmcache_tiered.storage.mooncake`).
 
 Records: each chunk is two objects in the store, named by the same digest of
 the key the file tiers use (:func:`lmcache_tiered.keys.key_digest`), so every
