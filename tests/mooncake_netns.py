@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ from lmcache_tiered.storage.store_client import (
     build_adapter,
     object_key,
 )
-from lmcache_tiered.testing.mooncake import MooncakePool
+from lmcache_tiered.testing.mooncake import MooncakePool, free_port
 
 #: set by tests/test_mooncake.py in the namespace it runs this module in
 NETNS_ENV = "LMCACHE_TIERED_MOONCAKE_NETNS"
@@ -460,3 +461,57 @@ def test_lmcache_server_with_our_adapter_cold_on_mooncake_store_restart_serve(
         assert status["engine"] == "l2:native_plugin" and status["hits"] == 4
     finally:
         manager.close()
+
+
+def test_a_real_lmcache_server_starts_on_the_pool(
+    tmp_path: Path, pool: MooncakePool
+) -> None:
+    """``lmcache server --l2-adapter`` (the real CLI, its own process) with
+    the connector alone, then with TieredL2Adapter whose cold tier is the
+    pool: each starts and its ``/status`` shows the adapter healthy."""
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    tiered = {
+        "type": "plugin",
+        "module_path": "lmcache_tiered.mp",
+        "class_name": "TieredL2Adapter",
+        "adapter_params": params([warm], slot_mb=1, **{"cold.adapter": spec(pool)}),
+    }
+    for l2_adapter, wanted in ((spec(pool), "MooncakeConnector"), (tiered, None)):
+        http = free_port()
+        argv = [
+            str(Path(sys.executable).with_name("lmcache")), "server",
+            "--host", "127.0.0.1", "--port", str(free_port()),
+            "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
+            "--http-port", str(http), "--prometheus-port", str(free_port()),
+            "--l2-adapter", json.dumps(l2_adapter),
+        ]  # fmt: skip
+        with open(tmp_path / "server.log", "ab") as log:
+            server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            status = server_status(server, http, tmp_path / "server.log")
+            (adapter,) = status["storage_manager"]["l2_adapters"]
+            assert adapter["is_healthy"] is True
+            if wanted is not None:
+                assert adapter["type"] == wanted
+            else:
+                assert adapter["type"] == "TieredL2Adapter"
+                assert adapter["tiers"]["cold"]["engine"] == "l2:native_plugin"
+                assert adapter["tiers"]["cold"]["degraded"] is None
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
+def server_status(server: subprocess.Popen[bytes], port: int, log: Path) -> Any:
+    """The server's ``/status`` once it answers (within 60 s)."""
+    deadline = time.monotonic() + 60
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+        assert server.poll() is None, log.read_text()[-3000:]
+        try:
+            with direct.open(f"http://127.0.0.1:{port}/status", timeout=2) as answer:
+                return json.loads(answer.read())
+        except OSError:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)

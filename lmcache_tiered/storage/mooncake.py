@@ -81,10 +81,15 @@ MAX_PENDING_DELETES = 1 << 16
 CHECK_BYTES = 4096
 
 # Mooncake's error codes (mooncake-store's ErrorCode) this connector acts on
-NO_SPACE = -200
-BUFFER_TOO_SMALL = -600
 NOT_FOUND = -704
 HAS_LEASE = -706
+#: what the codes seen here mean, for error text
+CODE_NAMES = {
+    -200: "no space (or no memory process registered yet)",
+    -600: "buffer too small",
+    NOT_FOUND: "not found",
+    HAS_LEASE: "leased by a read",
+}
 #: codes that say the master or a memory process is lost, not the object
 UNREACHABLE = {
     -800: "a transfer failed (a memory process lost or hung?)",
@@ -182,9 +187,12 @@ def _addresses(views: Sequence[Any]) -> tuple[list[int], list[int]]:
 
 
 def _codes(codes: Sequence[int]) -> str:
-    """Failed codes of a batch, counted, for error text."""
+    """Failed codes of a batch, counted and named, for error text."""
     failed = [c for c in codes if c < 0]
-    return ", ".join(f"{c} x{failed.count(c)}" for c in sorted(set(failed)))
+    names = CODE_NAMES | UNREACHABLE
+    return ", ".join(
+        f"{c} {names.get(c, 'error')} x{failed.count(c)}" for c in sorted(set(failed))
+    )
 
 
 class PoolClosed(RuntimeError):
@@ -505,7 +513,14 @@ class MooncakeConnector:
         future = next(self._ids)
 
         def run() -> None:
+            if not args[0]:  # no keys
+                self._complete(future, True, "", [])
+                return
             if self.pool.down is not None:
+                if op == self._delete:  # done once the pool is back
+                    self.pool.defer_deletes(args[0])
+                    self._complete(future, True, "", [True] * len(args[0]))
+                    return
                 self._complete(future, False, self.pool.down, None)
                 return
             try:
