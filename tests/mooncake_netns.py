@@ -366,7 +366,7 @@ def test_master_killed_misses_at_once_and_is_served_again_when_back(
     assert sorted(latencies)[int(0.99 * (len(latencies) - 1))] <= 0.05, latencies
     assert retrieve_misses(engine, connector, first) < TIER_TIMEOUT_S
     (line,) = down_lines(caplog)
-    assert f"Mooncake master {pool.master_address} unreachable" in line
+    assert f"Mooncake pool (master {pool.master_address}) unreachable" in line
     pool.start_master()  # empty: the pool's memory re-registers with it
     wait_until(lambda: cold.degraded is None, timeout=30)
     lost_are_counted(engine, cold, first)

@@ -250,7 +250,7 @@ class _Pool:
                 return
             self._down_since = time.time()
             self.down = (
-                f"Mooncake master {self.master} unreachable since "
+                f"Mooncake pool (master {self.master}) unreachable since "
                 f"{time.strftime('%H:%M:%S', time.gmtime(self._down_since))} UTC: "
                 f"{UNREACHABLE[lost[0]]} (code {lost[0]})"
             )
@@ -304,7 +304,7 @@ class _Pool:
         with self._lock:
             since, self.down = self._down_since, None
         logger.warning(
-            "lmcache_tiered: Mooncake master %s answers again after %.0f s",
+            "lmcache_tiered: Mooncake pool (master %s) answers again after %.0f s",
             self.master,
             time.time() - since,
         )
