@@ -20,7 +20,7 @@ processes, so it outlives the engines.
 Data path: gets land straight in the caller's buffers (``batch_get_into`` on
 their addresses: no copy in Python), sets are upserts (``batch_upsert_from``:
 ``put`` of an existing key keeps the old bytes), lookups one
-``batch_is_exist``. A read takes a lease on its object (the master's
+``batch_is_exist``. A read or a lookup leases its object (the master's
 ``-default_kv_lease_ttl``, 10 s by default) and Mooncake refuses to remove it
 meanwhile: such deletes are kept and retried once a second until they pass,
 and a set of the same key cancels them.
