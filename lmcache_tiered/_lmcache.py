@@ -44,6 +44,7 @@ __all__ = [
     "first_module",
     "flat_memory_obj",
     "l2_memory_tags",
+    "native_connector",
     "object_key_to_string",
     "seed_l2_usage",
     "unsupported",
@@ -276,6 +277,26 @@ def build_l2_adapter(spec: str) -> Any:
 
         parsed = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
         return create_l2_adapter(parsed.adapters[0], None)
+
+
+def native_connector(adapter: Any) -> Any:
+    """The connector object a ``native_plugin`` adapter wraps (LMCache's
+    ``NativeConnectorL2Adapter`` keeps it as ``_client``), or None for any
+    other adapter. The wrapper's completions carry one bool per key, so a
+    connector of ours (Mooncake's) says there why its store failed: lost, or
+    refusing writes, which the cold tier treats differently."""
+    try:
+        from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+            NativeConnectorL2Adapter,
+        )
+    except ImportError:
+        return None
+    if not isinstance(adapter, NativeConnectorL2Adapter):
+        return None
+    client = getattr(adapter, "_client", None)
+    if client is None:
+        raise unsupported("NativeConnectorL2Adapter._client")
+    return client
 
 
 def flat_memory_obj(data: torch.Tensor) -> TensorMemoryObj:

@@ -4,8 +4,9 @@
 LMCache's ``lmcache server --l2-adapter`` takes, e.g. ``{"type": "resp",
 "host": "redis.internal", "port": 6379}``; the adapter is built by LMCache's
 own parser and factory, so every adapter type it ships (``resp``/``valkey``,
-``s3``, ``mooncake_store``, ``fs``, ...) works and is configured as LMCache
-documents it.
+``s3``, ``fs``, ...) works and is configured as LMCache documents it, and so
+does a ``native_plugin`` connector such as ours for Mooncake Store
+(:mod:`lmcache_tiered.storage.mooncake`).
 
 Records: each chunk is two objects in the store, named by the same digest of
 the key the file tiers use (:func:`lmcache_tiered.keys.key_digest`), so every
@@ -26,7 +27,9 @@ own (Redis ``maxmemory-policy``, LMCache's ``eviction`` JSON): a chunk it
 dropped is a miss at the next read.
 
 Failure: every operation waits at most
-:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`. LMCache's native Redis
+:data:`lmcache_tiered.storage.store_client.TIMEOUT_S`; a failed one whose
+adapter says its store is lost (our Mooncake connector) is an outage at once.
+LMCache's native Redis
 client never reconnects after the server goes away and can leave operations
 pending forever, so the tier's health machine
 (:class:`lmcache_tiered.storage.health.TierHealth`, the file tiers' too)
@@ -78,7 +81,7 @@ from lmcache_tiered.storage.store_client import (
     HEADER_GROUP,
     PAYLOAD_GROUP,
     StoreClient,
-    StoreTimeout,
+    StoreUnavailable,
     build_adapter,
     close_later,
     object_key,
@@ -386,7 +389,7 @@ class AdapterTier(StorageTier):
             return [False] * len(keys)
         try:
             landed = client.load(keys, buffers)
-        except StoreTimeout as exc:
+        except StoreUnavailable as exc:
             self.health.degrade(str(exc))
             return [False] * len(keys)
         except Exception:
@@ -404,7 +407,7 @@ class AdapterTier(StorageTier):
             return False
         try:
             stored = client.store(keys, buffers)
-        except StoreTimeout as exc:
+        except StoreUnavailable as exc:
             self.health.degrade(str(exc))
             return False
         except Exception:
@@ -509,7 +512,7 @@ class AdapterTier(StorageTier):
                 # it answered: up, but full or read-only
                 return _Check(refused="a check's write was refused")
             landed = client.load([key], [back])[0]
-        except StoreTimeout as exc:
+        except StoreUnavailable as exc:
             return _Check(down=str(exc))
         except Exception as exc:
             return _Check(down=f"a check failed: {exc}")

@@ -5,8 +5,10 @@
 each operation at most :data:`TIMEOUT_S`: LMCache's native Redis client can
 leave an operation pending forever (a stopped server), so a timed-out one
 raises :class:`StoreTimeout` and its buffers stay referenced for good (the
-adapter may still write into them). Adapters are closed on a daemon thread
-(:func:`close_later`), since a client stuck on a hung store may never return.
+adapter may still write into them). A failed operation of an adapter that can
+say its store is lost (our Mooncake connector) raises :class:`StoreDown`.
+Adapters are closed on a daemon thread (:func:`close_later`), since a client
+stuck on a hung store may never return.
 
 This module also owns the names of our objects in a store
 (:func:`object_key`, :func:`probe_key`): the cold tier, its prober and
@@ -29,7 +31,7 @@ import torch
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
-from lmcache_tiered._lmcache import build_l2_adapter, flat_memory_obj
+from lmcache_tiered._lmcache import build_l2_adapter, flat_memory_obj, native_connector
 from lmcache_tiered.config import PREFIX, ConfigError
 from lmcache_tiered.keys import DIGEST_SIZE
 
@@ -45,8 +47,24 @@ PAYLOAD_GROUP, HEADER_GROUP = 0, 1
 _POLL_S = 0.0005
 
 
-class StoreTimeout(Exception):
+class StoreUnavailable(Exception):
+    """The store cannot serve now: the cold tier counts it as down."""
+
+
+class StoreTimeout(StoreUnavailable):
     """The store did not answer within :data:`TIMEOUT_S`."""
+
+
+class StoreDown(StoreUnavailable):
+    """An operation failed and the adapter says its store is lost."""
+
+
+def down_reason(adapter: L2AdapterInterface) -> str | None:
+    """Why ``adapter``'s store is lost, where it can say (a ``native_plugin``
+    connector with ``unreachable()``, such as our Mooncake connector: the
+    completions LMCache's wrapper hands on are one bool per key); else None."""
+    ask = getattr(native_connector(adapter), "unreachable", None)
+    return ask() if callable(ask) else None
 
 
 def object_key(digest: bytes, group: int) -> ObjectKey:
@@ -111,6 +129,8 @@ class StoreClient:
             task = adapter.submit_lookup_and_lock_task(keys, {})
             held = self._wait(lambda: adapter.query_lookup_and_lock_result(task), [])
             found = [i for i in range(len(keys)) if held.test(i)]
+            if len(found) < len(keys):
+                self._raise_if_down()
             if found:
                 task = adapter.submit_load_task(
                     [keys[i] for i in found], [objs[i] for i in found]
@@ -118,6 +138,8 @@ class StoreClient:
                 bitmap = self._wait(lambda: adapter.query_load_result(task), objs)
                 for n, i in enumerate(found):
                     landed[i] = bool(bitmap.test(n))
+                if not all(landed[i] for i in found):
+                    self._raise_if_down()
         finally:
             if found:
                 adapter.submit_unlock([keys[i] for i in found])
@@ -128,7 +150,16 @@ class StoreClient:
         objs = [flat_memory_obj(b) for b in buffers]
         task = self.adapter.submit_store_task(keys, objs)
         result = self._wait(lambda: self._store_result(task), objs)
+        if not result.is_successful():
+            self._raise_if_down()
         return bool(result.is_successful())
+
+    def _raise_if_down(self) -> None:
+        """StoreDown if the adapter says its store is lost: then a failed
+        operation is an outage, not a miss or a refused write."""
+        why = down_reason(self.adapter)
+        if why is not None:
+            raise StoreDown(why)
 
     def delete_later(self, objects: list[ObjectKey], wait_s: float) -> None:
         """Delete ``objects`` on a thread of its own (LMCache's native
