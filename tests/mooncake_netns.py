@@ -265,7 +265,7 @@ def test_warm_evictions_go_to_mooncake_and_a_new_engine_is_served(
     assert [cache.tier_of(k) for k in first_keys] == ["cold", "cold"]
     assert present(pool, first_keys) == [True, True]
     cold = cache.tiers["cold"]
-    assert cold.engine.name == "l2:native_plugin"
+    assert cold.engine_name == "l2:native_plugin"
     testing.clear_cpu_tier(engine)
     out, mask = testing.retrieve_tokens(engine, first, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, first_kv)
