@@ -114,6 +114,13 @@ def test_states_cover_every_subset_and_order_of_unflushed_writes() -> None:
     )
 
 
+def test_a_torn_write_keeps_only_its_chosen_sectors() -> None:
+    """A power cut may tear a 4 KiB request into 512-byte sectors."""
+    image: dict[str, bytearray] = {"f": bytearray(b"o" * 2048)}
+    Op("write", "f", 0, b"n" * 2048).apply(image, sectors=0b0101)
+    assert image["f"] == b"n" * 512 + b"o" * 512 + b"n" * 512 + b"o" * 512
+
+
 @pytest.mark.parametrize(("fsync", "verify"), CONFIGS)
 def test_power_cut_serves_exact_bytes(
     recorded: dict[bool, History], tmp_path: Path, fsync: bool, verify: bool
@@ -135,6 +142,7 @@ def test_power_cut_serves_exact_bytes(
         )
         for name in (
             "states",
+            "torn",
             "opened",
             "refused",
             "served",

@@ -9,8 +9,9 @@ harness records every change a tier makes to its files, in issue order
 ``posix_fallocate``, and the ``fdatasync``/``fsync`` that flush them), and
 :func:`crash_states` rebuilds, for every point of that stream, the files a
 power cut there could leave: everything flushed, plus any subset, in any
-order, of the writes not flushed yet. :mod:`lmcache_tiered.testing.crash_check`
-opens a tier on each and checks what it serves.
+order, of the writes not flushed yet (some torn into 512-byte sectors).
+:mod:`lmcache_tiered.testing.crash_check` opens a tier on each and checks
+what it serves.
 
 Model: a flush of a file makes every earlier change to that file durable; a
 file exists from its first recorded change (its directory entry is taken as
@@ -41,6 +42,11 @@ from lmcache_tiered.storage import tierfiles
 OpKind = Literal["write", "truncate", "extend", "flush"]
 #: a crash state's files: path relative to the root -> content
 Image = dict[str, bytearray]
+#: What a drive writes whole or not at all: a 4 KiB request may be torn into
+#: these (512-byte logical blocks; AWUPF guarantees no more).
+SECTOR = 512
+#: Share of the writes kept in a random crash state that are kept torn.
+TORN_SHARE = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +63,10 @@ class Op:
     offset: int = 0
     data: bytes = b""
 
-    def apply(self, image: Image) -> None:
-        """This change made to ``image`` (a flush changes nothing)."""
+    def apply(self, image: Image, sectors: int = -1) -> None:
+        """This change made to ``image`` (a flush changes nothing); of a
+        write, only the :data:`SECTOR`-byte sectors set in the mask
+        ``sectors`` (a write torn by the power cut)."""
         if self.kind == "flush":
             return
         content = image.setdefault(self.path, bytearray())
@@ -70,7 +78,11 @@ class Op:
         else:
             end = self.offset + len(self.data)
             content.extend(bytes(max(0, end - len(content))))
-            content[self.offset : end] = self.data
+            for start in range(0, len(self.data), SECTOR):
+                if sectors >> (start // SECTOR) & 1:
+                    piece = self.data[start : start + SECTOR]
+                    at = self.offset + start
+                    content[at : at + len(piece)] = piece
 
     def overlaps(self, other: Op) -> bool:
         """Whether applying the two in either order can differ."""
@@ -211,6 +223,8 @@ class CrashState:
     kept: tuple[int, ...]
     how: str
     image: Image
+    #: (op index, mask of the sectors of it that reached the disk)
+    torn: tuple[tuple[int, int], ...] = ()
 
 
 def _pending_at(
@@ -233,10 +247,16 @@ def _pending_at(
             durable.setdefault(op.path, bytearray())
 
 
-def _build(ops: Sequence[Op], durable: Image, kept: Sequence[int]) -> Image:
+def _build(
+    ops: Sequence[Op],
+    durable: Image,
+    kept: Sequence[int],
+    torn: Sequence[tuple[int, int]] = (),
+) -> Image:
     image = {p: bytearray(c) for p, c in durable.items()}
+    masks = dict(torn)
     for i in kept:
-        ops[i].apply(image)
+        ops[i].apply(image, masks.get(i, -1))
     return image
 
 
@@ -258,31 +278,37 @@ def crash_states(
     budget: int,
     seed: int,
     exhaustive: int = 4,
+    context: Callable[[int], bytes] = lambda point: point.to_bytes(8, "little"),
 ) -> Iterator[CrashState]:
     """Up to ``budget`` distinct crash states of the stream ``ops`` over
     ``base``, most telling first.
 
-    First every prefix (a kill -9 at each write boundary) and, at each point,
-    only what was flushed; then, where at most ``exhaustive`` writes are
-    unflushed, every subset of them in every order that matters; then, seeded,
-    random subsets of the unflushed writes in random orders, spread evenly
-    over the points. Equal images are yielded once.
+    First, in three quarters of the budget at most: every prefix (a kill -9
+    at each write boundary) and, at each point, only what was flushed; then,
+    where at most ``exhaustive`` writes are unflushed, every subset of them
+    in every order that matters. Then, seeded, random subsets of the
+    unflushed writes in random orders, some of them torn into
+    :data:`SECTOR`-byte pieces, at random points. Equal images with equal
+    ``context(point)`` (by default: at one point) are yielded once; a caller
+    whose checks differ less between points says so there.
     """
     rng = random.Random(seed)
     seen: set[bytes] = set()
     count = 0
 
-    def fresh(state: CrashState) -> bool:
+    def fresh(state: CrashState, limit: int = budget) -> bool:
         nonlocal count
-        digest = image_digest(state.image) + state.point.to_bytes(8, "little")
-        if digest in seen or count >= budget:
+        digest = image_digest(state.image) + context(state.point)
+        if digest in seen or count >= limit:
             return False
         seen.add(digest)
         count += 1
         return True
 
-    # a small budget looks at evenly spread points first, not the start only
-    every = max(1, -(-3 * (len(ops) + 1) // max(budget, 1)))
+    # a quarter of the budget is kept for the random states; a small budget
+    # looks at evenly spread points, not at the start of the stream only
+    systematic = budget - budget // 4
+    every = max(1, -(-3 * (len(ops) + 1) // max(systematic, 1)))
     busy: list[tuple[int, list[int]]] = []
     for point, durable, pending in _pending_at(ops, base):
         if len(pending) > 1:
@@ -290,21 +316,29 @@ def crash_states(
         if point % every:
             continue
         for kept, how in ((tuple(pending), "prefix"), ((), "flushed only")):
-            if fresh(s := CrashState(point, kept, how, _build(ops, durable, kept))):
-                yield s
+            state = CrashState(point, kept, how, _build(ops, durable, kept))
+            if fresh(state, systematic):
+                yield state
     small = _subsets(ops, base, exhaustive, every)
     for state in small:
-        if fresh(state):
+        if count >= systematic:
+            break
+        if fresh(state, systematic):
             yield state
-    if count >= budget:
-        return
     misses = 0
     while busy and count < budget and misses < 20 * budget:
         point, pending = busy[rng.randrange(len(busy))]
         share = rng.random()
         chosen = [i for i in pending if rng.random() < share]
         rng.shuffle(chosen)
-        state = state_at(ops, base, point, tuple(chosen), "random subset")
+        torn = tuple(
+            (i, rng.randrange(1, (1 << sectors) - 1))
+            for i in chosen
+            if (sectors := -(-len(ops[i].data) // SECTOR)) > 1
+            and rng.random() < TORN_SHARE
+        )
+        how = "random subset, torn writes" if torn else "random subset"
+        state = state_at(ops, base, point, tuple(chosen), how, torn)
         if fresh(state):
             yield state
         else:
@@ -328,7 +362,12 @@ def _subsets(
 
 
 def state_at(
-    ops: Sequence[Op], base: Image, point: int, kept: tuple[int, ...], how: str
+    ops: Sequence[Op],
+    base: Image,
+    point: int,
+    kept: tuple[int, ...],
+    how: str,
+    torn: tuple[tuple[int, int], ...] = (),
 ) -> CrashState:
     """One crash state built from scratch: what was flushed before ``point``,
     then ``kept``."""
@@ -344,4 +383,4 @@ def state_at(
         durable.setdefault(op.path, bytearray())
         if i < flushed_upto.get(op.path, -1):
             op.apply(durable)
-    return CrashState(point, kept, how, _build(ops, durable, kept))
+    return CrashState(point, kept, how, _build(ops, durable, kept, torn), torn)

@@ -140,6 +140,15 @@ class History:
     def keys(self, tier: str) -> list[int]:
         return sorted({e.key for e in self.events if e.tier == tier})
 
+    def context(self, point: int) -> bytes:
+        """What the checks of a state at ``point`` depend on besides its
+        files: the chunks it must serve (none without fsync). The versions
+        it may serve only grow with the point: an image is checked once, at
+        the point it first came up (the earliest, but in the random phase)."""
+        if not self.fsync:
+            return b""
+        return repr([sorted(self.required(t, point).items()) for t in TIERS]).encode()
+
     def required(self, tier: str, point: int) -> dict[int, int]:
         """Chunks that must be served after a power cut at ``point`` (with
         fsync): acknowledged, not evicted or removed since; their version."""
@@ -290,6 +299,8 @@ class Findings:
     """What the explorer saw, summed over the states it checked."""
 
     states: int = 0
+    #: states in which some write was torn
+    torn: int = 0
     opened: int = 0
     refused: int = 0
     served: int = 0
@@ -317,7 +328,8 @@ class Findings:
 
     def line(self) -> str:
         return (
-            f"{self.states} crash states in {self.seconds:.1f} s: opened "
+            f"{self.states} crash states ({self.torn} with torn writes) in "
+            f"{self.seconds:.1f} s: opened "
             f"{self.opened}, refused {self.refused}, chunks served {self.served}, "
             f"missed {self.missed}, wrong {self.wrong}, lost {self.lost}, stale "
             f"{self.stale}, crashes {self.crashes}"
@@ -338,6 +350,7 @@ def check_state(
     and checks that each acknowledged one is served after another restart."""
     materialize(state.image, scratch, DIRS)
     findings.states += 1
+    findings.torn += bool(state.torn)
     views = [("warm", False), ("cold", False), ("cold", True)]
     for name, read_only in views:
         required = history.required(name, state.point) if history.fsync else {}
@@ -452,7 +465,10 @@ def explore(
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        for state in crash_states(history.ops, history.ops_base, budget, seed):
+        states = crash_states(
+            history.ops, history.ops_base, budget, seed, context=history.context
+        )
+        for state in states:
             if on_state is not None:
                 on_state(state)
             check_state(history, state, scratch, findings, verify=verify, re_put=re_put)
