@@ -80,7 +80,7 @@ def test_replaying_the_stream_rebuilds_the_files(tmp_path: Path) -> None:
     assert {("write", "hdr"), ("write", "slab")} <= kinds
     assert any(op.path.startswith("cold0/") for op in history.ops)
     gone = [e for e in history.events if e.kind == "gone"]
-    assert {e.tier for e in gone} == {"warm", "cold"}, "evictions in both tiers"
+    assert {e.tier for e in gone} >= {"warm", "cold"}, "evictions in both tiers"
 
 
 def test_states_cover_every_subset_and_order_of_unflushed_writes() -> None:
@@ -265,7 +265,7 @@ def test_checker_catches_a_lost_acknowledged_chunk(
 def test_storing_a_recovered_chunk_again_makes_it_durable(
     recorded: dict[bool, History], tmp_path: Path
 ) -> None:
-    found = explore(recorded[True], tmp_path, 120, seed=1, re_put=True)
+    found = explore(recorded[True], tmp_path, 60, seed=1, re_put=True)
     figures("re-put after the power cut", found)
     assert found.clean, found.problems
 
@@ -278,7 +278,7 @@ def test_storing_a_recovered_chunk_again_makes_it_durable(
 )
 def test_a_batch_never_acknowledges_what_it_evicts(tmp_path: Path) -> None:
     history = record_workload(tmp_path / "rec", fsync=True, seed=1, reput_stored=True)
-    found = explore(history, tmp_path / "state", 120, seed=1)
+    found = explore(history, tmp_path / "state", 60, seed=1)
     figures("stores of chunks already held", found)
     assert found.clean, found.problems
 
@@ -293,6 +293,6 @@ def test_a_batch_never_acknowledges_what_it_evicts(tmp_path: Path) -> None:
 def test_power_cut_without_fsync_leaves_a_tier_that_starts(
     recorded: dict[bool, History], tmp_path: Path
 ) -> None:
-    found = explore(recorded[False], tmp_path, 150, seed=1)
+    found = explore(recorded[False], tmp_path, 60, seed=1)
     figures("fsync off, refusals", found)
     assert found.refused == 0, found.refusals

@@ -3,15 +3,16 @@
 :func:`record_workload` runs stores (with the demotions a full warm tier makes
 to cold, as :meth:`lmcache_tiered.cache.tiered_cache.TieredCache.store`
 does), removals, chunks stored again with new bytes, evictions and a restart
-on a tiny warm tier (two directories) and a cold tier, under
+on a tiny warm tier (two directories) and a cold tier shared with another
+host (each host's files in one directory), under
 :class:`lmcache_tiered.testing.crash.Recorder`, and notes when each chunk was
 written, acknowledged and evicted. :func:`explore` opens real tiers on every
 crash state :func:`lmcache_tiered.testing.crash.crash_states` builds and checks:
 the tier opens (or refuses with a message naming ``fsck``), every chunk it
 serves is exactly some version written for its key, and with ``fsync`` every
 chunk acknowledged before the crash point (and not evicted or removed since)
-is served, in its last acknowledged version. The cold tier is also opened
-read-only, as another host sharing it sees it.
+is served, in its last acknowledged version. Each host's cold files are also
+opened read-only, as the other host sharing them reads them.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ TIERS: dict[str, tuple[tuple[str, ...], int, str]] = {
     # name: directories, slots, owner (the cold tier's carries a host id)
     "warm": (("warm0", "warm1"), 4, "kv-w0"),
     "cold": (("cold0",), 6, "kv-w0-hosta"),
+    # another host's cold files in the same shared directory
+    "cold-b": (("cold0",), 6, "kv-w0-hostb"),
 }
-DIRS = [d for dirs, _, _ in TIERS.values() for d in dirs]
+DIRS = sorted({d for dirs, _, _ in TIERS.values() for d in dirs})
 EventKind = Literal["written", "ack", "gone"]
 
 
@@ -229,6 +232,12 @@ class Workload:
         below = [item for item, ok in zip(items, stored, strict=True) if not ok]
         if below:
             self.write("cold", below)
+        # host B stores the same prefixes into its own files beside ours
+        # (those it does not hold: see ``reput_stored``)
+        host_b = self.tiers["cold-b"]
+        self.write(
+            "cold-b", [it for it in items if host_b.header(chunk_key(it[0])) is None]
+        )
 
     def remove(self, i: int) -> None:
         """Forget chunk ``i`` everywhere; its next store carries new bytes."""
@@ -351,7 +360,8 @@ def check_state(
     materialize(state.image, scratch, DIRS)
     findings.states += 1
     findings.torn += bool(state.torn)
-    views = [("warm", False), ("cold", False), ("cold", True)]
+    # each host's cold files also as the other host reads them: read-only
+    views = [(name, False) for name in TIERS] + [("cold", True), ("cold-b", True)]
     for name, read_only in views:
         required = history.required(name, state.point) if history.fsync else {}
         if re_put and name == "warm":
