@@ -29,7 +29,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
-from lmcache_tiered.config import TierOptions
+from lmcache_tiered.config import ConfigError, TierOptions
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.layout import align_up
@@ -360,16 +360,29 @@ def check_state(
     materialize(state.image, scratch, DIRS)
     findings.states += 1
     findings.torn += bool(state.torn)
-    # each host's cold files also as the other host reads them: read-only
-    views = [(name, False) for name in TIERS] + [("cold", True), ("cold-b", True)]
+    # first each host's cold files as the other host reads them (read-only,
+    # as SharedCold does: while their owner is still down), then each owner's
+    # own restart (which may format files that hold nothing yet)
+    views = [("cold", True), ("cold-b", True)] + [(name, False) for name in TIERS]
     for name, read_only in views:
         required = history.required(name, state.point) if history.fsync else {}
         if re_put and name == "warm":
             required = _re_put(history, state, scratch, required, verify, findings)
+        if read_only and _header_name(name) not in state.image:
+            if required:  # its owner has not even created it: nothing to read
+                _refused(state, findings, name, "no header file", required)
+            continue
         try:
             tier = open_tier(
                 scratch, name, verify=verify, fsync=history.fsync, read_only=read_only
             )
+        except (ConfigError, OSError, ValueError) as exc:
+            if not read_only:  # its owner must always start
+                findings.crashes += 1
+                findings.problem(state, f"{name} raised {exc!r}")
+            else:  # SharedCold skips such files until its next look
+                _refused(state, findings, name, f"skipped: {exc}", required)
+            continue
         except Exception as exc:  # a crash: what the check is for
             findings.crashes += 1
             findings.problem(state, f"{name} raised {exc!r}")
@@ -378,6 +391,28 @@ def check_state(
             _check_tier(history, state, tier, name, required, verify, findings)
         finally:
             tier.close()
+
+
+def _header_name(name: str) -> str:
+    dirs, _, owner = TIERS[name]
+    return f"{dirs[0]}/{owner}.hdr"
+
+
+def _refused(
+    state: CrashState,
+    findings: Findings,
+    name: str,
+    why: str,
+    required: dict[int, int],
+) -> None:
+    """A tier that did not open: counted with its reason (paths left out),
+    and every chunk it had to serve counted lost."""
+    findings.refused += 1
+    reason = why.split(": ", 1)[-1].split(";")[0].split(" /")[0]
+    findings.refusals[reason] = findings.refusals.get(reason, 0) + 1
+    for i in required:
+        findings.lost += 1
+        findings.problem(state, f"{name} did not open, chunk {i} lost: {why}")
 
 
 def _check_tier(
@@ -390,15 +425,10 @@ def _check_tier(
     findings: Findings,
 ) -> None:
     if (why := tier.degraded) is not None:
-        findings.refused += 1
-        reason = why.split(": ", 1)[-1].split(";")[0]
-        findings.refusals[reason] = findings.refusals.get(reason, 0) + 1
         if "fsck" not in why:
             findings.crashes += 1
             findings.problem(state, f"{name} refused without saying what to do: {why}")
-        for i in required:
-            findings.lost += 1
-            findings.problem(state, f"{name} refused to open, chunk {i} lost: {why}")
+        _refused(state, findings, name, why, required)
         return
     findings.opened += 1
     keys = history.keys(name)
