@@ -261,14 +261,6 @@ def test_explorer_finds_a_tier_that_trusts_torn_records(
 # ------------------------------------------------- defects the explorer found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (storage/tier.py _write_payloads): a chunk recovered after a "
-    "power cut is in the index unverified; storing it again is acknowledged "
-    "without writing it, though its slot may hold another chunk's payload "
-    "(evicted, its slot reused, the new header not yet written): with fsync "
-    "the acknowledged chunk is then a miss",
-)
 def test_storing_a_recovered_chunk_again_makes_it_durable(
     recorded: dict[bool, History], tmp_path: Path
 ) -> None:
@@ -277,12 +269,6 @@ def test_storing_a_recovered_chunk_again_makes_it_durable(
     assert found.clean, found.problems
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (storage/tier.py _write_payloads): a batch that stores a "
-    "chunk the tier already holds acknowledges it, then may evict that very "
-    "chunk to make room for the batch's other chunks: acknowledged, not stored",
-)
 def test_a_batch_never_acknowledges_what_it_evicts(tmp_path: Path) -> None:
     history = record_workload(tmp_path / "rec", fsync=True, seed=1, reput_stored=True)
     found = explore(history, tmp_path / "state", 60, seed=1)
@@ -290,13 +276,6 @@ def test_a_batch_never_acknowledges_what_it_evicts(tmp_path: Path) -> None:
     assert found.clean, found.problems
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (storage/tierfiles.py load): with fsync off the superblock "
-    "written at format is never flushed; a power cut that keeps later writes "
-    "but not it leaves a tier that refuses to start (degraded, 'its superblock "
-    "is damaged') until an operator runs fsck or removes the files",
-)
 def test_power_cut_without_fsync_leaves_a_tier_that_starts(
     recorded: dict[bool, History], tmp_path: Path
 ) -> None:
@@ -305,14 +284,6 @@ def test_power_cut_without_fsync_leaves_a_tier_that_starts(
     assert found.refused == 0, found.refusals
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap (storage/tierfiles.py open/load): a tier creates its files but "
-    "never fsyncs their directories; POSIX makes a new file's name durable only "
-    "then, so with fsync a power cut may lose files whose chunks were "
-    "acknowledged (ext4's journal commits the name with the first fdatasync; "
-    "the explorer's model assumes that)",
-)
 def test_with_fsync_new_files_have_their_directories_flushed(
     recorded: dict[bool, History],
 ) -> None:

@@ -94,13 +94,20 @@ class TierWrites:
         #: (the MP adapter merges tasks' batches) shares that copy's result
         first_copy: dict[bytes, int] = {}
         copies: list[tuple[int, int]] = []
+        #: chunks the tier already held
+        kept: list[int] = []
         for i, payload in enumerate(payloads):
             digest = key_digest(payload.key)
             if (first := first_copy.setdefault(digest, i)) != i:
                 copies.append((i, first))
                 continue
-            if payload.key in self.index:
-                stored[i] = True
+            with self._lock:
+                held = self.index.get(payload.key)
+            if held is not None and held.verified:
+                # acknowledged if this batch's evictions leave it (below); a
+                # record recovered after a crash and never read is no proof
+                # its slot holds its payload: written anew instead
+                kept.append(i)
                 continue
             size = len(payload.view)
             if size > self.geometry.max_payload:
@@ -125,6 +132,9 @@ class TierWrites:
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         stored = self._write_taken(stored, taken, last_sequence)
+        with self._lock:
+            for i in kept:
+                stored[i] = payloads[i].key in self.index
         for i, first in copies:
             stored[i] = stored[first]
         return stored

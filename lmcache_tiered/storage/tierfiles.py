@@ -494,7 +494,24 @@ class TierFileSet:
         ok, _ = self.written(superblock, self.submit(superblock, write=True))
         if ok != [True]:
             raise OSError(errno.EIO, f"cannot write the superblock of {self.names[-1]}")
+        self._sync_format()
         return [], 0
+
+    def _sync_format(self) -> None:
+        """Make a fresh format durable whatever ``fsync`` says: the files and
+        their superblock, and the directories' entries naming the new files.
+        Without it a power cut could keep later writes but not the superblock
+        (a tier that refuses to start until ``fsck``), or lose a new file's
+        name (POSIX records it only with an fsync of its directory). Once per
+        format, never per write."""
+        for fd in self.fds:
+            os.fdatasync(fd)
+        for path in self.options.paths:
+            directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
 
     def _holds_nothing(self, header_size: int) -> bool:
         """Whether the files hold no record at all (a format cut short), so
