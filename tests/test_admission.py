@@ -3,6 +3,7 @@ hits that the tiers can deliver before recomputing it would finish."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -128,3 +129,22 @@ def test_the_cache_answers_what_its_slow_tier_can_deliver(tmp_path: Path) -> Non
         assert stats["estimates_checked"] >= 1
     finally:
         cache.close()
+
+
+def test_the_log_says_what_the_rule_did(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One line at most per LOG_EVERY_S, and only while it shortens."""
+    monkeypatch.setattr(admission, "LOG_EVERY_S", 0.0)
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "cold", 10)
+    with caplog.at_level(logging.INFO, logger="lmcache_tiered"):
+        rule.admit([key(0)], [("cold", MB)] * 2)
+        rule.admit([key(0)], [("cold", MB)] * 2)
+    lines = [r.getMessage() for r in caplog.records if "admission" in r.getMessage()]
+    assert len(lines) == 2
+    assert "shortened 1 of 1 lookups" in lines[0] and "2 chunks, 512 tokens" in lines[0]
+    monkeypatch.setattr(admission, "LOG_EVERY_S", 3600.0)
+    with caplog.at_level(logging.INFO, logger="lmcache_tiered"):
+        rule.admit([key(0)], [("cold", MB)] * 2)
+    assert len([r for r in caplog.records if "admission" in r.getMessage()]) == 2

@@ -23,6 +23,7 @@ compared with the time the demand read of those chunks then took
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +40,10 @@ RATE_WEIGHT = 0.2
 GOOD_ESTIMATE = 0.25
 #: admitted prefixes remembered until their read (older ones are forgotten)
 ESTIMATES_KEPT = 4096
+logger = logging.getLogger("lmcache_tiered")
+
+#: seconds between the log lines that say what the rule did
+LOG_EVERY_S = 60.0
 #: LMCache's default chunk size, tokens (``chunk_size``)
 DEFAULT_CHUNK_TOKENS = 256
 #: seconds a tier's measured rate stands without a new read: a tier the rule
@@ -81,6 +86,8 @@ class ReadAdmission:
         self._tiers: dict[TierName, _Tier] = {}
         self._estimates: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
+        self._logged_at = time.monotonic()
+        self._logged = AdmissionStats()
 
     def tokens(self, payload_bytes: int) -> float:
         """Tokens of a chunk of ``payload_bytes`` (a full chunk holds
@@ -132,7 +139,34 @@ class ReadAdmission:
                 self._estimates[key_digest(keys[0])] = estimate
                 while len(self._estimates) > ESTIMATES_KEPT:
                     self._estimates.popitem(last=False)
+        self._log_now_and_then()
         return admitted
+
+    def _log_now_and_then(self) -> None:
+        """One INFO line per LOG_EVERY_S at most, while the rule shortens
+        lookups: what it sent to recompute and how well it guessed since."""
+        now = time.monotonic()
+        with self._lock:
+            stats, last = self.stats, self._logged
+            if (
+                now - self._logged_at < LOG_EVERY_S
+                or stats.prefixes_shortened == last.prefixes_shortened
+            ):
+                return
+            self._logged_at = now
+            self._logged = AdmissionStats(**vars(stats))
+        logger.info(
+            "lmcache_tiered: read-time admission shortened %d of %d lookups in "
+            "the last %.0f s (%d chunks, %d tokens left to recompute); delivery "
+            "estimates within 25 %% of the read: %d of %d",
+            stats.prefixes_shortened - last.prefixes_shortened,
+            stats.lookups_judged - last.lookups_judged,
+            LOG_EVERY_S,
+            stats.chunks_recomputed - last.chunks_recomputed,
+            stats.tokens_recomputed - last.tokens_recomputed,
+            stats.estimates_within - last.estimates_within,
+            stats.estimates_checked - last.estimates_checked,
+        )
 
     @contextlib.contextmanager
     def reading(self, tier: TierName, nbytes: int) -> Iterator[None]:
