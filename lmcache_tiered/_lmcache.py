@@ -42,6 +42,7 @@ __all__ = [
     "cpu_pool_buffer",
     "cpu_pool_bytes",
     "first_module",
+    "lazy_name",
     "flat_memory_obj",
     "l2_memory_tags",
     "native_connector",
@@ -121,13 +122,22 @@ def first_module(paths: tuple[str, ...]) -> ModuleType:
     raise unsupported(paths[0])
 
 
-def __getattr__(name: str) -> Any:
-    paths = _LAZY.get(name)
+def lazy_name(
+    module: str, table: dict[str, tuple[str, ...]], names: dict[str, Any], name: str
+) -> Any:
+    """A module's ``__getattr__`` over ``table`` (name: the modules defining
+    it, the 0.5.7 layout first): imported on first use, then kept in the
+    module's ``names`` (its globals)."""
+    paths = table.get(name)
     if paths is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
     value = getattr(first_module(paths), name)
-    globals()[name] = value
+    names[name] = value
     return value
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_name(__name__, _LAZY, globals(), name)
 
 
 # ---------------------------------------------------------- the CPU tier

@@ -15,7 +15,7 @@ from conftest import ENGINES, payload_offset, random_kv
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-from lmcache_tiered.io.base import EngineWrapper, IOEngine, IORequest
+from lmcache_tiered.io.base import EngineWrapper, IORequest
 from lmcache_tiered.storage import checks
 from lmcache_tiered.storage.index import Entry
 from lmcache_tiered.storage.layout import RecordHeader
@@ -441,25 +441,19 @@ def test_a_read_that_raises_leaves_its_slots_evictable(
     assert all(e.readers == 0 for e in tier.index)
 
 
-class FailingWrites(IOEngine):
-    """Wraps a tier's real engine and fails every write with EIO (no
-    dm-error in this container); reads go through."""
+class FailingWrites(EngineWrapper):
+    """Fails every write of a tier's real engine with EIO (no dm-error in
+    this container); reads go through."""
 
-    name = "failing-writes"
-
-    def __init__(self, inner: IOEngine) -> None:
-        super().__init__(inner.fds, inner.queue_depth)
-        self.inner = inner
-
-    def submit(self, requests: Sequence[IORequest], write: bool) -> Future[list[int]]:
+    def submit_many(
+        self, batches: Sequence[Sequence[IORequest]], write: bool
+    ) -> list[Future[list[int]]]:
         if not write:
-            return self.inner.submit(requests, write)
-        failed: Future[list[int]] = Future()
-        failed.set_result([-errno.EIO] * len(requests))
+            return self.inner.submit_many(batches, write)
+        failed: list[Future[list[int]]] = [Future() for _ in batches]
+        for future, requests in zip(failed, batches, strict=True):
+            future.set_result([-errno.EIO] * len(requests))
         return failed
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def test_a_key_twice_in_a_batch_shares_its_one_write_result(

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered._lmcache import first_module, unsupported
+from lmcache_tiered._lmcache import lazy_name, unsupported
 
 __all__ = [
     "EventStatus",
@@ -83,12 +83,7 @@ if TYPE_CHECKING:  # lmcache ships no types: all of these are Any to mypy
 
 
 def __getattr__(name: str) -> Any:
-    paths = _LAZY.get(name)
-    if paths is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(first_module(paths), name)
-    globals()[name] = value
-    return value
+    return lazy_name(__name__, _LAZY, globals(), name)
 
 
 #: the native extension LMCache's RustRawBlockBackend opens at its first I/O,
