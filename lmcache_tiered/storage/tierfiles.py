@@ -498,12 +498,10 @@ class TierFileSet:
         return [], 0
 
     def _sync_format(self) -> None:
-        """Make a fresh format durable whatever ``fsync`` says: the files and
-        their superblock, and the directories' entries naming the new files.
-        Without it a power cut could keep later writes but not the superblock
-        (a tier that refuses to start until ``fsck``), or lose a new file's
-        name (POSIX records it only with an fsync of its directory). Once per
-        format, never per write."""
+        """Make a fresh format durable whatever ``fsync`` says, once: else a
+        power cut could keep later writes but not the superblock (a tier that
+        refuses to start until ``fsck``), or lose a new file's name (POSIX
+        records it only with an fsync of its directory)."""
         for fd in self.fds:
             os.fdatasync(fd)
         for path in self.options.paths:
