@@ -200,17 +200,12 @@ class TieredL2Adapter(L2Ledger):
         self.cache = cache
 
     def get_memory_tags(self) -> Any:
-        """What LMCache's prefetch controller filters L2 adapters by
-        (lmcache 0.5.7, ``lmcache/v1/distributed/api.py``: one tag pair per
-        adapter, compared for equality): ``STORAGE`` always (NVMe, neither
-        host memory nor GPUDirect); ``LOCAL`` with a warm tier only, ``REMOTE``
-        once a cold tier (files or a store) is set. A cold tier is by design
-        off this host or shared with other hosts (NVMe-oF, a shared file
-        system, a store: read by every host that names it), which the API
-        defines as ``REMOTE``, and its hits
-        are served through this same adapter: a caller that admits ``LOCAL``
-        only must not get them. It does lose the warm hits then, as it would
-        with LMCache's own fs and raw-block adapters when ``shared``."""
+        """What LMCache's prefetch controller filters L2 adapters by (0.5.7:
+        one tag pair per adapter): ``STORAGE``, and ``LOCAL`` with a warm tier
+        only, ``REMOTE`` once a cold tier is set. A cold tier is off this host
+        or shared by hosts by design, and its hits come through this adapter:
+        a caller that admits ``LOCAL`` only must not get them (it loses the
+        warm hits then, as with LMCache's own fs adapters when ``shared``)."""
         settings = self.settings
         return l2_memory_tags(
             remote=settings.cold is not None or settings.cold_adapter is not None
