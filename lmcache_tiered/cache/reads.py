@@ -98,6 +98,8 @@ class DemandReader:
         """
         if into is None and self._allocate is None:
             raise ValueError("TieredCache.read: no buffers given and no allocator")
+        if self._admission.recompute_tokens_per_s is None:
+            return self._read(keys, into)
         began = time.monotonic()
         objs = self._read(keys, into)
         self._admission.read_done(keys, time.monotonic() - began)
@@ -198,9 +200,13 @@ class DemandReader:
         policy hears of each hit, and cold hits are queued for warm."""
         name, tier = tier_entry
         allocate = self._read_memory(keys, missing, into, tried)
-        nbytes = sum(h.payload_size for i in missing if (h := tier.header(keys[i])))
-        with self._admission.reading(name, nbytes):
-            found = tier.read([keys[i] for i in missing], allocate)
+        wanted = [keys[i] for i in missing]
+        if self._admission.recompute_tokens_per_s is None:
+            found = tier.read(wanted, allocate)  # the rule is off: nothing to time
+        else:
+            nbytes = sum(h.payload_size for k in wanted if (h := tier.header(k)))
+            with self._admission.reading(name, nbytes):
+                found = tier.read(wanted, allocate)
         for i, obj in zip(missing, found, strict=True):
             if obj is not None and into is not None:
                 obj.ref_count_down()  # the one _read_memory took
