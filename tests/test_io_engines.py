@@ -781,6 +781,23 @@ def test_uring_close_is_bounded_by_a_read_that_never_completes(
         os.close(write_end)
 
 
+def hang_transfers(
+    engine: ThreadEngine, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Event]:
+    """Make ``engine``'s transfers hang (a hung drive) until the second event
+    is set; the first is set once one has begun."""
+    entered, hung = threading.Event(), threading.Event()
+    transfer = engine._do_transfer
+
+    def hanging(request: IORequest, write: bool) -> int:
+        entered.set()
+        hung.wait(30)
+        return transfer(request, write)
+
+    monkeypatch.setattr(engine, "_do_transfer", hanging)
+    return entered, hung
+
+
 def test_threads_close_is_bounded_and_never_writes_to_a_reused_descriptor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -793,15 +810,7 @@ def test_threads_close_is_bounded_and_never_writes_to_a_reused_descriptor(
     fd = os.open(slab, os.O_RDWR | os.O_CREAT, 0o600)
     before = len(os.listdir("/proc/self/fd"))
     engine = ThreadEngine([fd], 2)
-    entered, hung = threading.Event(), threading.Event()
-    transfer = engine._do_transfer
-
-    def hanging(request: IORequest, write: bool) -> int:
-        entered.set()
-        hung.wait(30)
-        return transfer(request, write)
-
-    monkeypatch.setattr(engine, "_do_transfer", hanging)
+    entered, hung = hang_transfers(engine, monkeypatch)
     data = aligned_buffer(ALIGN)
     data[:] = b"k" * ALIGN
     stuck = engine.submit([IORequest(0, 0, data)], write=True)
@@ -847,15 +856,7 @@ def test_provisional_close_also_closes_the_thread_pool_it_is_retiring(
     engine = provisional.ProvisionalEngine([fd], 4, make_uring, lambda why: None)
     pool = engine.current
     assert isinstance(pool, ThreadEngine)
-    entered, hung = threading.Event(), threading.Event()
-    transfer = pool._do_transfer
-
-    def hanging(request: IORequest, write: bool) -> int:
-        entered.set()
-        hung.wait(30)
-        return transfer(request, write)
-
-    monkeypatch.setattr(pool, "_do_transfer", hanging)
+    entered, hung = hang_transfers(pool, monkeypatch)
     data = aligned_buffer(ALIGN)
     data[:] = b"p" * ALIGN
     stuck = engine.submit([IORequest(0, 0, data)], write=True)

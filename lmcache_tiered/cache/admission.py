@@ -94,22 +94,16 @@ class ReadAdmission:
         ``chunk_tokens``; the last chunk of a prompt fewer)."""
         return self.chunk_tokens * payload_bytes / self.full_chunk_bytes
 
-    def delivery_s(self, chunks: Sequence[tuple[TierName, int]]) -> float:
-        """Seconds to read ``chunks`` ((tier, payload bytes) each) now: the
-        slowest tier's share, behind what is queued on it."""
-        share: dict[TierName, int] = {}
-        for tier, nbytes in chunks:
-            share[tier] = share.get(tier, 0) + nbytes
+    def _tier_state(self) -> dict[TierName, tuple[int, float]]:
+        """Each measured tier's (queued bytes, rate) now; a tier missing here
+        delivers at once."""
         now = time.monotonic()
         with self._lock:
-            return max(
-                (
-                    (self._tiers[t].queued_bytes + n) / rate
-                    for t, n in share.items()
-                    if t in self._tiers and (rate := self._tiers[t].rate(now))
-                ),
-                default=0.0,
-            )
+            return {
+                name: (tier.queued_bytes, rate)
+                for name, tier in self._tiers.items()
+                if (rate := tier.rate(now))
+            }
 
     def admit(
         self, keys: Sequence[StoreKey], chunks: Sequence[tuple[TierName, int]]
@@ -120,10 +114,16 @@ class ReadAdmission:
         rate = self.recompute_tokens_per_s
         if rate is None or not chunks:
             return len(chunks)
-        admitted, estimate, tokens = 0, 0.0, 0.0
-        for k in range(1, len(chunks) + 1):
-            tokens += self.tokens(chunks[k - 1][1])
-            delivery = self.delivery_s(chunks[:k])
+        # each prefix's delivery is the slowest tier's share behind its queue:
+        # one pass, each tier's time growing with its share
+        state = self._tier_state()
+        seconds = {name: queued / speed for name, (queued, speed) in state.items()}
+        admitted, estimate, tokens, delivery = 0, 0.0, 0.0, 0.0
+        for k, (tier, nbytes) in enumerate(chunks, start=1):
+            tokens += self.tokens(nbytes)
+            if tier in state:
+                seconds[tier] += nbytes / state[tier][1]
+                delivery = max(delivery, seconds[tier])
             if delivery <= tokens / rate:
                 admitted, estimate = k, delivery
         with self._lock:

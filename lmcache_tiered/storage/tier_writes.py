@@ -96,14 +96,17 @@ class TierWrites:
         copies: list[tuple[int, int]] = []
         #: chunks the tier already held
         kept: list[int] = []
+        with self._lock:  # the records the tier holds now, once for the batch
+            trusted = [
+                (entry := self.index.get(p.key)) is not None and entry.verified
+                for p in payloads
+            ]
         for i, payload in enumerate(payloads):
             digest = key_digest(payload.key)
             if (first := first_copy.setdefault(digest, i)) != i:
                 copies.append((i, first))
                 continue
-            with self._lock:
-                held = self.index.get(payload.key)
-            if held is not None and held.verified:
+            if trusted[i]:
                 # acknowledged if this batch's evictions leave it (below); a
                 # record recovered after a crash and never read is no proof
                 # its slot holds its payload: written anew instead
