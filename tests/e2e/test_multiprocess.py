@@ -108,9 +108,12 @@ def lmcache_server(
                 proc.kill()
             log.close()
             PHASE_TIMES.append((f"{name} stop", time.monotonic() - stopping))
-    # 130: the exit status of a clean shutdown on SIGINT
+    # a clean shutdown on SIGINT: the server closed, and its exit status 130
+    # (KeyboardInterrupt) or 0 (uvicorn's own shutdown took the signal first:
+    # seen in CI once, the log ending "MPCacheServer closed ... Finished
+    # server process")
     text = (workdir / f"{name}.log").read_text()
-    assert proc.returncode == 130 and "MPCacheServer closed" in text, text[-4000:]
+    assert proc.returncode in (0, 130) and "MPCacheServer closed" in text, text[-4000:]
 
 
 def wait_for_chunks(http_port: int, chunks: int) -> dict[str, Any]:
