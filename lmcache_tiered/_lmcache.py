@@ -49,7 +49,8 @@ __all__ = [
     "object_key_to_string",
     "seed_l2_usage",
     "unsupported",
-    "watch_first_use",
+    "watch_use",
+    "move_to_recent",
 ]
 
 
@@ -184,12 +185,15 @@ def before_cpu_pool_frees(hot: Any, callback: Callable[[], None]) -> None:
 
 
 class _WatchedObj(TensorMemoryObj):
-    """A CPU-tier chunk whose first hand-out is reported. LMCache's CPU tier
-    takes a reference for the caller of every get (a retrieve, or the
-    plugin's own read of hot) and for nothing a lookup does; a lookup's pin
-    is no sign of use, since vLLM loads nothing its GPU prefix cache holds."""
+    """A CPU-tier chunk whose first hand-out and first pin are reported.
+    LMCache's CPU tier takes a reference for the caller of every get (a
+    retrieve, or the plugin's own read of hot) and for nothing a lookup
+    does, which pins instead: a chunk a lookup found and no retrieve took
+    was served by vLLM's GPU prefix cache (its connector loads nothing the
+    GPU holds)."""
 
-    on_first_use: Callable[[], None] | None
+    on_first_use: Callable[[], None] | None = None
+    on_found: Callable[[], None] | None = None
 
     def ref_count_up(self) -> None:
         super().ref_count_up()  # first, so the caller's reference is taken
@@ -197,19 +201,46 @@ class _WatchedObj(TensorMemoryObj):
         if callback is not None:
             callback()
 
+    def pin(self) -> bool:
+        pinned = bool(super().pin())
+        callback, self.on_found = self.on_found, None
+        if callback is not None:
+            callback()
+        return pinned
 
-def watch_first_use(obj: Any, callback: Callable[[], None]) -> bool:
-    """Call ``callback`` on ``obj``'s next ``ref_count_up()`` (arm it after
-    the put into the CPU tier, which takes one too), by swapping its class
-    for a subclass (LocalCPUBackend keeps the object itself, so a wrapper
-    would never be handed out). False, and nothing done, for any object that
-    is not a plain ``TensorMemoryObj``."""
-    if type(obj) is not TensorMemoryObj:
+
+def watch_use(
+    obj: Any, on_use: Callable[[], None], on_found: Callable[[], None]
+) -> bool:
+    """Call ``on_use`` on ``obj``'s next ``ref_count_up()`` (arm it after the
+    put into the CPU tier, which takes one too) and ``on_found`` on its next
+    ``pin()`` (a lookup finding it), each once, by swapping its class for a
+    subclass (LocalCPUBackend keeps the object itself, so a wrapper would
+    never be handed out); an object watched before is armed again. False,
+    and nothing done, for any object that is not a plain ``TensorMemoryObj``."""
+    if type(obj) not in (TensorMemoryObj, _WatchedObj):
         return False
     obj.__class__ = _WatchedObj
     assert isinstance(obj, _WatchedObj)
-    obj.on_first_use = callback
+    obj.on_found = on_found
+    obj.on_first_use = on_use
     return True
+
+
+def move_to_recent(hot: Any, keys: Sequence[Any]) -> None:
+    """Count ``keys`` as just used in LMCache's CPU-tier eviction order (its
+    ``cache_policy.update_on_hit`` under ``cpu_lock``, as its own
+    ``touch_cache`` does); keys no longer there are skipped. A pinned chunk
+    is never evicted, but LMCache's LRU walks past each one from its old end
+    on every eviction: pins left to drift there slow every store down."""
+    try:
+        lock, policy, cache = hot.cpu_lock, hot.cache_policy, hot.hot_cache
+    except AttributeError:
+        raise unsupported("LocalCPUBackend.cache_policy") from None
+    with lock:
+        for key in keys:
+            if key in cache:
+                policy.update_on_hit(key, cache)
 
 
 # ------------------------------------------------------ the L2 adapter base

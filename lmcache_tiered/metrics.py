@@ -95,6 +95,15 @@ class WarmupStats:
     cancelled: int = 0
     #: plan keys skipped while the benefit guard held the policy back
     held_back: int = 0
+    #: bytes of the promotions to hot counted in ``wasted``
+    bytes_wasted: int = 0
+    #: promotions to hot a lookup found and no retrieve took: vLLM's GPU
+    #: prefix cache served those chunks (neither used nor wasted)
+    gpu_served: int = 0
+    #: planned chunks not promoted to hot: vLLM's GPU prefix cache serves them
+    gpu_skipped: int = 0
+    #: chunks already in LMCache's CPU tier pinned there for a plan
+    pinned_in_place: int = 0
 
     @property
     def precision(self) -> float | None:

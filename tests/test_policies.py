@@ -203,8 +203,8 @@ def test_frequency_admission_filter(view: FakeView) -> None:
     assert policy.admit(key)  # used twice: worth writing
 
 
-def test_hinted_promotes_cached_prefix(view: FakeView) -> None:
-    policy = load_policy("hinted", view, {"window_s": 4})
+def test_hinted_plans_the_cached_prefix_for_its_request(view: FakeView) -> None:
+    policy = load_policy("hinted", view, {"max_wait_s": 40})
     keys = make_keys(5)
     view.put([keys[0]], "warm")
     view.put([keys[1]], "hot")
@@ -212,14 +212,20 @@ def test_hinted_promotes_cached_prefix(view: FakeView) -> None:
 
     plans = policy.on_hint(keys, view.clock + 1.5)
     # the cold chunk is also copied to warm (planned first), for the requests
-    # that the hot budget cannot hold
-    assert planned(plans) == {"warm": [keys[2]], "hot": [keys[0], keys[2]]}
-    assert plans[0].deadline == view.clock + 1.5
-    assert policy.on_hint(keys, view.clock + 1.5) == []
+    # that the hot budget cannot hold; the chunk already hot is planned too
+    # (the promoter pins it there); the plan is the request's (its last key)
+    assert planned(plans) == {"warm": [keys[2]], "hot": [keys[0], keys[1], keys[2]]}
+    assert {plan.deadline for plan in plans} == {view.clock + 1.5}
+    assert {plan.request for plan in plans} == {keys[-1]}
+    # one hint per request: a second one (a retry) is planned again, and the
+    # promoter keeps each key with the plan that has it
+    assert planned(policy.on_hint(keys, None)) == planned(plans)
 
     other = make_keys(2, start=50)
     view.put(other, "cold")
-    assert policy.on_hint(other, None)[0].deadline == view.clock + 4
+    # without a deadline every hint waits as long: arrival order is kept
+    assert policy.on_hint(other, None)[0].deadline == view.clock + 40
+    assert policy.on_hint(make_keys(2, start=90), None) == []  # nothing stored
 
 
 def _run_traffic(policy: WarmupPolicy, view: FakeView, seed: int) -> list[Plan]:
@@ -249,13 +255,9 @@ def test_no_plans_without_reuse(name: str, view: FakeView) -> None:
     assert _run_traffic(policy, view, seed=7) == []
 
 
-@pytest.mark.parametrize(
-    ("name", "params"), [("lookahead", {"promote_found": True}), ("hinted", {})]
-)
-def test_concurrent_events_plan_each_key_once(
-    name: str, params: dict[str, object], view: FakeView
-) -> None:
-    policy = load_policy(name, view, params)
+def test_concurrent_events_plan_each_key_once(view: FakeView) -> None:
+    """_Planner's promise (hinted plans once per hint: the promoter merges)."""
+    policy = load_policy("lookahead", view, {"promote_found": True})
     keys = make_keys(64)
     view.put(keys, "cold")
     results: list[list[Plan]] = [[] for _ in range(4)]

@@ -25,6 +25,7 @@ from prometheus_client import generate_latest
 from lmcache_tiered import testing
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.metrics import collector
+from lmcache_tiered.warmup import promoter as promoter_module
 from lmcache_tiered.warmup.base import Plan
 from lmcache_tiered.warmup.promoter import GUARD_MIN, GUARD_PROBE_EVERY, UNIT_KEYS
 
@@ -217,6 +218,100 @@ def test_a_promotion_that_vllm_does_not_load_is_not_counted_as_used(
     stats = cache.promoter.stats
     assert stats.timely == 2 and stats.precision == 1.0
     assert not any(hot.hot_cache[k].is_pinned for k in keys[:2])
+
+
+def test_a_promotion_found_and_never_taken_was_the_gpus_and_is_not_promoted_again(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lookup pins every cached chunk, the retrieve takes only those past
+    vLLM's GPU prefix cache: a promotion found and not taken within the grace
+    was served by the GPU. Neither used nor wasted, it is let go, and the
+    chunk is not promoted to hot again for a while."""
+    monkeypatch.setattr(promoter_module, "FOUND_GRACE_S", 0.2)
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
+    tokens, _ = store_chunks(engine, connector, 3, seed=25)
+    testing.clear_cpu_tier(engine)
+    keys = testing.chunk_keys(engine, tokens)
+    stats = cache.promoter.stats
+    cache.promoter.submit([Plan(tuple(keys[:2]), "hot", cache.now() + 60)])
+    wait_until(lambda: all(cache.where(k) == "hot" for k in keys[:2]))
+    assert testing.lookup(engine, tokens, pin=True, lookup_id="gpu") == 3 * CHUNK
+    past_gpu_prefix = torch.zeros(3 * CHUNK, dtype=torch.bool)
+    past_gpu_prefix[2 * CHUNK :] = True
+    testing.retrieve_tokens(engine, tokens, connector=connector, mask=past_gpu_prefix)
+    engine.lookup_unpin("gpu")
+    wait_until(lambda: stats.gpu_served == 2)
+    hot = testing.get_local_cpu_backend(engine)
+    assert hot is not None
+    assert not any(hot.hot_cache[k].is_pinned for k in keys[:2])
+    assert stats.timely == 0 and stats.wasted == 0
+    testing.clear_cpu_tier(engine)
+    cache.promoter.submit([Plan(tuple(keys[:2]), "hot", cache.now() + 60)])
+    wait_until(lambda: stats.gpu_skipped == 2)
+    assert [cache.where(k) for k in keys[:2]] == ["warm", "warm"]
+
+
+def test_a_requests_lookup_retires_its_plan(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan made for one request (an arrival hint's) is over once that
+    request is looked up: what is still queued is dropped, and what was
+    promoted is let go soon unless the retrieve takes it."""
+    monkeypatch.setattr(promoter_module, "FOUND_GRACE_S", 0.2)
+    engine, connector, cache = tiered_engine(engine_factory, device_dirs)
+    promoter = cache.promoter
+    first, _ = store_chunks(engine, connector, 2, seed=26)
+    second, _ = store_chunks(engine, connector, 2, seed=27)
+    testing.clear_cpu_tier(engine)
+    hot = testing.get_local_cpu_backend(engine)
+    assert hot is not None
+    # promoted, then its request is looked up below the CPU tier: unpinned
+    keys = testing.chunk_keys(engine, first)
+    promoter.submit([Plan(tuple(keys), "hot", cache.now() + 60, keys[-1])])
+    wait_until(lambda: all(cache.where(k) == "hot" for k in keys))
+    assert all(hot.hot_cache[k].is_pinned for k in keys)
+    cache.lookup(keys)
+    wait_until(lambda: not any(hot.hot_cache[k].is_pinned for k in keys))
+    # still queued when its request is looked up: dropped, nothing read
+    keys = testing.chunk_keys(engine, second)
+    with promoter.demand([]):  # no unit of warm-up starts meanwhile
+        promoter.submit([Plan(tuple(keys), "hot", cache.now() + 60, keys[-1])])
+        cache.lookup(keys)
+    time.sleep(0.2)
+    assert [cache.where(k) for k in keys] == ["warm", "warm"]
+    assert promoter.stats.cancelled == 2
+
+
+def test_chunks_already_hot_are_pinned_where_they_are(
+    engine_factory: EngineFactory,
+    device_dirs: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan for hot pins what LMCache's CPU tier holds already (its LRU
+    would drop it before the request is scheduled), and keeps the pinned
+    chunks at the recent end of that LRU, where no eviction walks past them."""
+    monkeypatch.setattr(promoter_module, "RECENCY_EVERY_S", 0.0)
+    engine, connector, cache = tiered_engine(
+        engine_factory, device_dirs, cpu_gb=8 * CHUNK_BYTES / 2**30
+    )
+    tokens, kv = store_chunks(engine, connector, 2, seed=28)
+    keys = testing.chunk_keys(engine, tokens)
+    hot = testing.get_local_cpu_backend(engine)
+    assert hot is not None and all(k in hot.hot_cache for k in keys)
+    cache.promoter.submit([Plan(tuple(keys), "hot", cache.now() + 60)])
+    wait_until(lambda: all(hot.hot_cache[k].is_pinned for k in keys))
+    assert cache.promoter.stats.pinned_in_place == 2
+    assert cache.promoter.stats.bytes_promoted_hot == 0  # nothing read
+    for seed in range(29, 32):  # 6 chunks through an 8-chunk CPU tier
+        store_chunks(engine, connector, 2, seed=seed)
+    wait_until(lambda: set(list(hot.hot_cache)[-2:]) == set(keys))
+    out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
+    assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, kv)
+    assert cache.promoter.stats.timely == 2
 
 
 def test_lookahead_plans_nothing_for_unseen_random_lookups(

@@ -338,6 +338,7 @@ class TieredCache:
             self.tiers[tier].touch(tier_keys, pin)
         self.chains.learn(keys)
         hits = next((i for i, h in enumerate(held) if not h), len(held))
+        self.promoter.scheduled(keys)
         self._plan(self.policy.on_lookup, keys, hits)
         return held
 

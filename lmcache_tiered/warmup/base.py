@@ -37,12 +37,18 @@ class Plan:
     """Move ``keys`` (in this order: prefix heads first) up to ``target``.
 
     ``deadline`` is on the ``time.monotonic()`` clock: a plan not finished by
-    then is dropped, as are its chunks already served by a demand read.
+    then is dropped, as are its chunks already served by a demand read. A
+    plan for hot also pins the chunks already there, until used or the
+    deadline. ``request``, where the plan serves one request (an arrival
+    hint's), is that request's last key: its lookup retires the plan (what is
+    still queued is dropped, what was promoted and is not taken by the
+    retrieve that follows is let go).
     """
 
     keys: tuple[StoreKey, ...]
     target: Literal["hot", "warm"]
     deadline: float
+    request: StoreKey | None = None
 
 
 class CacheView(Protocol):

@@ -1,11 +1,12 @@
 """The built-in warm-up policies: none, lookahead, session, frequency, hinted.
 
 Each one only decides (no I/O, no lock held across a call to the view or the
-promoter) and plans nothing for a chunk already in its target tier or above,
-nor for a chunk stored nowhere. Each remembers what it planned and does not
-plan the same chunk again for the same or a lower tier before that plan's
-deadline, so repeated events (vLLM asks again for a waiting request) cost the
-promoter nothing.
+promoter) and plans nothing for a chunk stored nowhere. Those built on
+``_Planner`` plan nothing for a chunk already in its target tier or above,
+and do not plan a chunk again for the same or a lower tier before that
+plan's deadline, so repeated events (vLLM asks again for a waiting request)
+cost the promoter nothing. ``hinted`` plans once per request (one hint
+each) and pins what is already hot.
 """
 
 from __future__ import annotations
@@ -415,35 +416,47 @@ class FrequencyPolicy(_Planner):
             )
 
 
-class HintedPolicy(_Planner):
-    """On an arrival hint, promote the request's cached prefix to hot while
-    the request waits in vLLM's queue, and its cold part to warm.
+class HintedPolicy(WarmupPolicy):
+    """On an arrival hint, bring the request's cached prefix to hot while the
+    request waits in vLLM's queue (its cold part to warm first), and keep it
+    pinned there until the request's retrieve takes it.
 
     The prefix is the keys stored somewhere, contiguous from the head (a
-    chunk after the first miss is useless to LMCache). The deadline is the
-    hint's, or ``window_s`` from now. The hot budget holds only the prefixes
-    of the next few requests (the promoter serves the earliest deadlines
-    first); the copy of the cold part to warm, planned first, keeps a slow
-    cold read off the critical path of the requests queued behind them.
-    Helps when requests queue longer than a cold read (load bursts, long
-    prefill ahead of them) and something sends hints (the vLLM plugin, a
-    router); does nothing without hints.
+    chunk after the first miss is useless to LMCache); chunks already in
+    LMCache's CPU tier are pinned where they are (its LRU would drop them
+    before the request is scheduled). vLLM schedules first come, first
+    served, and the promoter serves the earliest deadline first: with every
+    hint given the same wait, ``max_wait_s`` (a hint's own deadline wins),
+    hints are served in arrival order, as far as the pin budget
+    (``tiered.warmup.hot_fraction``) reaches, and the requests next in line
+    get their KV first. The request's lookup retires its plan: what is still
+    queued is dropped and what no retrieve takes is let go; chunks vLLM's GPU
+    prefix cache served are not promoted again for a while (the promoter
+    learns them from lookups that find a promotion no retrieve then takes).
+
+    Helps when requests queue longer than a read of their prefix (load
+    bursts, long prefills ahead of them) and something sends hints (the vLLM
+    plugin, a router); does nothing without hints. ``max_wait_s`` caps how
+    long a promotion for a request that never comes is held: set it above
+    the queue's usual wait and below LMCache's ``pin_timeout_sec`` (300 s).
     """
 
     name = "hinted"
 
-    def __init__(self, view: CacheView, *, window_s: float = 5.0) -> None:
+    def __init__(self, view: CacheView, *, max_wait_s: float = 120.0) -> None:
         super().__init__(view)
-        _require(window_s > 0, "window_s", "greater than 0", window_s)
-        self.window_s = window_s
+        _require(max_wait_s > 0, "max_wait_s", "greater than 0", max_wait_s)
+        self.max_wait_s = max_wait_s
 
     def on_hint(self, keys: Sequence[StoreKey], deadline: float | None) -> list[Plan]:
-        cached = list(
-            itertools.takewhile(lambda key: self.view.where(key) is not None, keys)
-        )
+        where = [self.view.where(key) for key in keys]
+        stored = sum(1 for _ in itertools.takewhile(lambda w: w is not None, where))
+        if not stored:
+            return []
         if deadline is None:
-            deadline = self.view.now() + self.window_s
-        # warm first: planned for hot, a key would not be planned for warm
-        return self._plan(cached, "warm", deadline) + self._plan(
-            cached, "hot", deadline
-        )
+            deadline = self.view.now() + self.max_wait_s
+        request = keys[-1]
+        prefix = tuple(keys[:stored])
+        cold = tuple(k for k, w in zip(prefix, where, strict=False) if w == "cold")
+        plans = [Plan(cold, "warm", deadline, request)] if cold else []
+        return plans + [Plan(prefix, "hot", deadline, request)]

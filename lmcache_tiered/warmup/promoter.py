@@ -1,34 +1,30 @@
 """Executes warm-up plans on one thread: demand reads first, within a budget.
 
-Plans are queued by deadline and merged (a key already queued for a tier is
-not queued twice); a key past its deadline, already in its target tier, or
-served meanwhile by a demand read is dropped. Work goes in small units so a
-demand read never waits behind a long warm-up batch, and no unit starts while
-a demand read is running.
+Plans are queued by deadline and merged (a key queued for a tier is not
+queued twice); a key past its deadline, already in its target tier, or
+served meanwhile by a demand read is dropped. Work goes in small units, and
+none starts while a demand read runs.
 
-Promotion to hot allocates from LMCache's CPU tier without busy-looping and
-pins each promoted chunk until it is used or its plan's deadline passes:
-LMCache's CPU tier is an LRU that every store and retrieve churns, and an
-unpinned promotion would be evicted before the request it was made for is
-scheduled. Pinned promotions stay within a byte budget; when it is full, a
-promotion needed sooner takes the place of those needed later, and the rest
-wait (queued, not dropped) until a promotion is used or expires.
+Promotion to hot pins each chunk in LMCache's CPU tier (one already there is
+pinned where it is) until a retrieve takes it or its deadline passes: that
+tier is an LRU every store churns. Pins stay within a byte budget; a
+promotion needed sooner displaces those needed later, which wait in the
+queue. A plan made for one request is retired by that request's lookup
+(what is queued is dropped; a promotion a lookup finds is let go
+FOUND_GRACE_S later unless taken). A chunk a lookup found and no retrieve
+took was served by vLLM's GPU prefix cache: not promoted again for
+GPU_HELD_S.
 
-Warm-up must not cost more than it saves: a benefit guard watches the last
-promotions to hot, and while fewer than ``min_precision`` of them were used
-(taken from hot by a retrieve; a lookup finding one is no use where vLLM's
-GPU prefix cache holds that prefix and loads none of it) before LMCache
-dropped them, or before a demand read came for a chunk whose promotion was
-still queued (a policy that plans for the request being scheduled now only
-races its reads) it runs only one unit of work in
-GUARD_PROBE_EVERY, copies to warm included (they come from the same
-predictions; the probes keep measuring, so a policy that starts to pay is
-let go again). Only promotions to hot are counted: a policy that only
-copies to warm, and any policy without a hot tier, is never held back.
+The benefit guard: while fewer than ``min_precision`` of the last promotions
+to hot settled were used (taken by a retrieve: bytes a drive would otherwise
+have read), rather than dropped by LMCache unused or overtaken by a demand
+read while still queued, only one unit of work in GUARD_PROBE_EVERY runs,
+copies to warm included (the probes keep measuring, so a policy that starts
+to pay is let go again). A policy that only copies to warm, and any policy
+without a hot tier, is never held back.
 
 Without a hot tier (LMCache's multi-process server, where the L2 adapter
-has no CPU tier of its own below LMCache's L1) a plan for hot is a plan for
-warm: the highest tier there is.
+has no CPU tier below LMCache's L1) a plan for hot is a plan for warm.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ from typing import Any
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from lmcache_tiered._lmcache import watch_first_use
+from lmcache_tiered._lmcache import move_to_recent, watch_use
 from lmcache_tiered.io import base as io_base
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import WarmupStats
@@ -71,6 +67,18 @@ GUARD_WINDOW = 256
 GUARD_MIN = 64
 #: while the guard holds a policy back, one unit in this many still runs
 GUARD_PROBE_EVERY = 8
+#: seconds a promotion a lookup found stays pinned for the retrieve that
+#: follows it (at once with synchronous loading; a step later with async)
+FOUND_GRACE_S = 2.0
+#: seconds a chunk found by a lookup and taken by no retrieve (vLLM's GPU
+#: prefix cache served it) is not promoted to hot again
+GPU_HELD_S = 60.0
+#: seconds between moves of the pinned promotions to the recent end of
+#: LMCache's CPU-tier LRU (they drift to its old end in tens of seconds)
+RECENCY_EVERY_S = 2.0
+#: distinct requests and GPU-held chunks remembered before expired ones are
+#: swept (amortised O(1))
+SWEEP_MIN = 4096
 
 
 @dataclass(slots=True)
@@ -81,8 +89,13 @@ class _Promotion:
     obj: MemoryObj
     size: int
     deadline: float
+    #: digest of the request the plan was for (its last key), or None
+    request: bytes | None
     #: held by the promoter (counts against the budget) until used or expired
     pinned: bool = True
+    #: a lookup found it (then a retrieve takes it within FOUND_GRACE_S, or
+    #: vLLM's GPU prefix cache served that chunk)
+    found: bool = False
 
     def release(self) -> None:
         if self.pinned:
@@ -96,6 +109,8 @@ class _Queued:
     seq: int
     target: str
     keys: tuple[StoreKey, ...]
+    #: digest of the request the plan is for (its last key), or None
+    request: bytes | None = None
 
     def __lt__(self, other: _Queued) -> bool:
         return (self.deadline, self.seq) < (other.deadline, other.seq)
@@ -149,6 +164,11 @@ class Promoter:
         #: the hot budget is full of promotions needed sooner: hot plans wait
         #: until one is used or expires (checked again every tick)
         self._hot_full = False
+        #: requests with plans queued or promotions held -> their latest deadline
+        self._requests: dict[bytes, float] = {}
+        #: chunks vLLM's GPU prefix cache served, by digest -> until when
+        self._gpu_held: dict[bytes, float] = {}
+        self._recency_at = 0.0
         self._closed = False
         self._thread = threading.Thread(
             target=self._run, name="lmcache-tiered-warmup", daemon=True
@@ -166,9 +186,46 @@ class Promoter:
             for plan in plans:
                 self.stats.plans += 1
                 target = plan.target if self.hot is not None else "warm"
-                queued = _Queued(plan.deadline, next(self._seq), target, plan.keys)
+                request = None if plan.request is None else key_digest(plan.request)
+                queued = _Queued(
+                    plan.deadline, next(self._seq), target, plan.keys, request
+                )
                 self.stats.keys_planned += self._push_locked(queued)
+                if request is not None:
+                    self._note_request(request, plan.deadline)
             self._cond.notify_all()
+
+    def _note_request(self, request: bytes, deadline: float) -> None:
+        """Remember a request with plans (call under the lock)."""
+        self._requests[request] = max(deadline, self._requests.get(request, deadline))
+        if len(self._requests) > SWEEP_MIN:
+            now = self.view.now()
+            self._requests = {r: d for r, d in self._requests.items() if d > now}
+
+    def scheduled(self, keys: Sequence[StoreKey]) -> None:
+        """A lookup of ``keys`` (a whole prompt's chunks past those LMCache's
+        CPU tier found): retire the plans of the request they end. Its keys
+        still queued are dropped; its promotions not yet taken are let go
+        FOUND_GRACE_S from now unless a retrieve takes them."""
+        if not keys:
+            return
+        request = key_digest(keys[-1])
+        with self._cond:
+            if self._requests.pop(request, None) is None:
+                return
+            for heap in self._heaps.values():
+                for queued in heap:
+                    if queued.request != request:
+                        continue
+                    for key in queued.keys:
+                        slot = (key_digest(key), queued.target)
+                        if self._owner.get(slot) == queued.seq:
+                            del self._owner[slot]
+                            self.stats.cancelled += 1
+            soon = self.view.now() + FOUND_GRACE_S
+            for promotion in self._promoted.values():
+                if promotion.request == request:
+                    promotion.deadline = min(promotion.deadline, soon)
 
     def _push_locked(self, queued: _Queued) -> int:
         """Queue those of ``queued``'s keys not queued for its tier already
@@ -256,7 +313,11 @@ class Promoter:
 
     def _tick(self) -> None:
         if self.hot is not None:
-            self._settle()
+            pinned = self._settle()
+            now = time.monotonic()
+            if now >= self._recency_at:
+                self._recency_at = now + RECENCY_EVERY_S
+                move_to_recent(self.hot, [p.key for p in pinned])
         with self._cond:
             self._hot_full = False  # promotions may have expired or been evicted
         self.submit(self.policy.on_tick(self.view.now()))
@@ -313,7 +374,7 @@ class Promoter:
                     digest = key_digest(key)
                     del self._owner[(digest, plan.target)]
                     self._inflight.add(digest)
-                return _Queued(plan.deadline, plan.seq, plan.target, tuple(unit))
+                return replace(plan, keys=tuple(unit))
 
     def _requeue(self, unit: _Queued) -> None:
         """Put a unit that found no room in the hot budget back in the queue
@@ -335,16 +396,31 @@ class Promoter:
         by_tier: dict[TierName, list[StoreKey]] = {}
         for key in unit.keys:
             where = self.view.where(key)
-            if where is None or TIER_RANK[where] >= wanted:
+            if where is None or (TIER_RANK[where] >= wanted and target != "hot"):
                 self.stats.cancelled += 1
+            elif target == "hot" and self._gpu_serves(key):
+                self.stats.gpu_skipped += 1
             else:
                 by_tier.setdefault(where, []).append(key)
         for source, source_keys in by_tier.items():
-            self._throttle()
             if target == "warm":
+                self._throttle()
                 self._to_warm(source_keys)
-            elif not self._to_hot(self.tiers[source], source_keys, unit.deadline):
+                continue
+            if source == "hot":
+                done = self._pin_in_place(source_keys, unit)
+            else:
+                self._throttle()
+                done = self._to_hot(self.tiers[source], source_keys, unit)
+            if not done:
                 self._requeue(replace(unit, keys=tuple(source_keys)))
+
+    def _gpu_serves(self, key: StoreKey) -> bool:
+        """Whether vLLM's GPU prefix cache served ``key`` lately (a lookup
+        found its promotion and no retrieve took it)."""
+        with self._cond:
+            until = self._gpu_held.get(key_digest(key))
+        return until is not None and until > self.view.now()
 
     def _throttle(self) -> None:
         delay = self._next_io - time.monotonic()
@@ -370,11 +446,34 @@ class Promoter:
         self.stats.bytes_promoted_warm += moved
         self._spent(moved)
 
-    def _to_hot(
-        self, source: StorageTier, keys: list[StoreKey], deadline: float
-    ) -> bool:
-        """Read ``keys`` into LMCache's CPU tier, pinned until used or
-        ``deadline``; False (nothing done) when the budget has no room."""
+    def _pin_in_place(self, keys: list[StoreKey], unit: _Queued) -> bool:
+        """Pin ``keys``, already in LMCache's CPU tier, until used or the
+        unit's deadline (its LRU would drop them before their request is
+        scheduled); False (nothing done) when the budget has no room."""
+        hot = self.hot
+        assert hot is not None
+        with self._cond:
+            keys = [k for k in keys if key_digest(k) not in self._promoted]
+        held = [(k, o) for k in keys if (o := hot.get_blocking(k)) is not None]
+        try:
+            need = sum(obj.get_size() for _, obj in held)
+            if need > self.hot_budget:
+                self.stats.cancelled += len(keys)
+                return True
+            if not self._make_room(need, unit.deadline):
+                return False
+            for key, obj in held:
+                obj.pin()
+                self._track(key, obj, unit)
+            self.stats.pinned_in_place += len(held)
+            return True
+        finally:
+            for _, obj in held:
+                obj.ref_count_down()  # get_blocking's reference
+
+    def _to_hot(self, source: StorageTier, keys: list[StoreKey], unit: _Queued) -> bool:
+        """Read ``keys`` into LMCache's CPU tier, pinned until used or the
+        unit's deadline; False (nothing done) when the budget has no room."""
         hot = self.hot
         if hot is None:
             return True
@@ -382,7 +481,7 @@ class Promoter:
         if need > self.hot_budget:
             self.stats.cancelled += len(keys)
             return True
-        if not self._make_room(need, deadline):
+        if not self._make_room(need, unit.deadline):
             return False
         objs = source.read(
             keys,
@@ -396,21 +495,32 @@ class Promoter:
         hot.batched_submit_put_task([k for k, _ in found], [o for _, o in found])
         moved = 0
         for key, obj in found:
-            self._track(key, obj, deadline)
+            self._track(key, obj, unit)
             moved += obj.get_size()
             obj.ref_count_down()  # the hot tier holds its own reference now
         self.stats.bytes_promoted_hot += moved
         self._spent(moved)
         return True
 
-    def _track(self, key: StoreKey, obj: MemoryObj, deadline: float) -> None:
+    def _track(self, key: StoreKey, obj: MemoryObj, unit: _Queued) -> None:
         """Hold a pinned promotion until its first use: the first reference
         the hot tier hands out after the put (a retrieve taking it, not a
         lookup finding it: vLLM loads nothing its GPU prefix cache holds)."""
         digest = key_digest(key)
+        promotion = _Promotion(key, obj, obj.get_size(), unit.deadline, unit.request)
         with self._cond:
-            self._promoted[digest] = _Promotion(key, obj, obj.get_size(), deadline)
-        watch_first_use(obj, lambda: self._used(digest))
+            self._promoted[digest] = promotion
+        watch_use(obj, lambda: self._used(digest), lambda: self._found(digest))
+
+    def _found(self, digest: bytes) -> None:
+        """A lookup found a promotion: the retrieve that follows takes it
+        within FOUND_GRACE_S, or vLLM's GPU prefix cache serves that chunk."""
+        with self._cond:
+            promotion = self._promoted.get(digest)
+            if promotion is not None:
+                promotion.found = True
+                soon = self.view.now() + FOUND_GRACE_S
+                promotion.deadline = min(promotion.deadline, soon)
 
     def _used(self, digest: bytes) -> None:
         with self._cond:
@@ -442,12 +552,20 @@ class Promoter:
                 if not cached[digest]:
                     del self._promoted[digest]
                     self.stats.wasted += 1
+                    self.stats.bytes_wasted += promotion.size
                     self._outcomes.append(False)
                     promotion.release()
                 elif promotion.pinned and promotion.deadline < now:
                     promotion.release()
+                    if promotion.found:  # vLLM's GPU prefix cache served it
+                        del self._promoted[digest]
+                        self.stats.gpu_served += 1
+                        self._gpu_held[digest] = now + GPU_HELD_S
                 elif promotion.pinned:
                     pinned.append(promotion)
+            if len(self._gpu_held) > SWEEP_MIN:
+                held = self._gpu_held.items()
+                self._gpu_held = {d: until for d, until in held if until > now}
         return pinned
 
     def _make_room(self, need: int, deadline: float) -> bool:
@@ -461,7 +579,7 @@ class Promoter:
         later = sorted(
             (p for p in pinned if p.deadline > deadline), key=lambda p: -p.deadline
         )
-        displaced: dict[float, list[StoreKey]] = {}
+        displaced: dict[tuple[float, bytes | None], list[StoreKey]] = {}
         for promotion in later:
             if used + need <= self.hot_budget:
                 break
@@ -473,8 +591,9 @@ class Promoter:
             if hot.remove(promotion.key):
                 with self._cond:
                     self._promoted.pop(key_digest(promotion.key), None)
-                displaced.setdefault(promotion.deadline, []).append(promotion.key)
+                plan = (promotion.deadline, promotion.request)
+                displaced.setdefault(plan, []).append(promotion.key)
         # displaced promotions are still wanted: they wait for room again
-        for when, keys in displaced.items():
-            self._requeue(_Queued(when, next(self._seq), "hot", tuple(keys)))
+        for (when, request), keys in displaced.items():
+            self._requeue(_Queued(when, next(self._seq), "hot", tuple(keys), request))
         return used + need <= self.hot_budget
