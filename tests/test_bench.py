@@ -25,7 +25,7 @@ from lmcache_tiered import cli, testing
 from lmcache_tiered.bench.common import plot, report, trace
 from lmcache_tiered.bench.common.trace import BLOCK_TOKENS, Request
 from lmcache_tiered.bench.disk import diskbench
-from lmcache_tiered.bench.model import command, presets, scenario, variants
+from lmcache_tiered.bench.model import command, presets, rounds, scenario, variants
 from lmcache_tiered.bench.model.baseline import (
     ALL_HOT,
     NO_EXTERNAL_CACHE,
@@ -1439,3 +1439,37 @@ def test_targets_line_judges_the_best_policy_against_the_seed() -> None:
     assert presets.targets_line(summaries, changes, 8, []) is None
     summaries.pop(NO_EXTERNAL_CACHE)
     assert presets.targets_line(summaries, changes, 8, ["hinted"]) is None
+
+
+def test_a_variant_not_valid_beside_others_is_replayed_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Variants replayed at once share the cores: one that fell behind its
+    clock there is replayed once more alone, and that run is the one kept."""
+    record = report.RequestRecord(0.0, 0.1, 0.2, 10.0, 11.0, 300, 5, 2)
+
+    def run(name: str, lag_s: float) -> report.RunResult:
+        return report.RunResult(
+            name, [record], 1024, None, {}, None, None, None, 1, lag_max=lag_s
+        )
+
+    # none fell 2 s behind a 10 s TTFT p50 beside hinted (20 %: not valid)
+    monkeypatch.setattr(
+        rounds,
+        "_apart",
+        lambda names, *_: [run(n, 2.0 if n == "none" else 0.1) for n in names],
+    )
+    alone: list[str] = []
+
+    def run_alone(name: str, setup: Any, workload: Any, label: str) -> Any:
+        alone.append(label)
+        return run(name, 0.05)
+
+    monkeypatch.setattr(variants, "run_variant", run_alone)
+    setup = argparse.Namespace(concurrency=8)
+    runs, unavailable = rounds.run_rounds(
+        ["none", "hinted"], [setup], argparse.Namespace(), repeat=1, jobs=2
+    )
+    assert alone == ["[1/2] none (alone)"] and not unavailable
+    assert [r.lag_max for r in runs[8]["none"]] == [0.05]
+    assert [r.lag_max for r in runs[8]["hinted"]] == [0.1]

@@ -1,7 +1,9 @@
 """The interleaved rounds of a bench run: every variant once a round, each
 round starting one variant later, those without an engine first, the others
 ``--jobs`` at a time, each in a process of its own (or, with one job, one
-after the other in this process).
+after the other in this process). A variant whose replay was not valid with
+others beside it (they share the machine's cores) is replayed once more,
+alone, and that run counts.
 
 May touch: stderr (progress bars, skipped variants), child processes it
 starts and waits for; the runs themselves go through
@@ -13,12 +15,12 @@ from __future__ import annotations
 import multiprocessing
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from functools import partial
 
 from lmcache_tiered.bench.common.progress import Progress, finished_note
-from lmcache_tiered.bench.common.report import RunResult
+from lmcache_tiered.bench.common.report import RunResult, percentile, ttfts, validity
 from lmcache_tiered.bench.model import variants
 from lmcache_tiered.bench.model.scenario import Setup, Workload
 from lmcache_tiered.bench.model.variants import VariantUnavailable, policy_of
@@ -66,7 +68,11 @@ def run_rounds(
             if jobs == 1:
                 results += [attempt(n, labels[n]) for n in real]
             else:
-                results += _apart(real, labels, setup, workload, jobs, unavailable)
+                apart = _apart(real, labels, setup, workload, jobs, unavailable)
+                results += [
+                    _alone_if_invalid(n, result, labels[n], attempt)
+                    for n, result in zip(real, apart, strict=True)
+                ]
             todo = quick + real
             for name, result in zip(todo, results, strict=True):
                 if result is not None:
@@ -125,6 +131,30 @@ def _apart(
                 _skipped(name, labels[name], exc, unavailable)
                 results.append(None)
         return results
+
+
+def _alone_if_invalid(
+    name: str,
+    result: RunResult | None,
+    label: str,
+    attempt: Callable[[str, str], RunResult | None],
+) -> RunResult | None:
+    """``result``, or where it is not valid (the variants beside it took
+    the cores its replay needed), a replay of the variant alone."""
+    if result is None:
+        return None
+    check = validity(
+        result.lag_max, percentile(ttfts(result), 50), result.device_overrun
+    )
+    if check["valid"]:
+        return result
+    print(
+        f"{label}: not valid beside the others (lag {100 * check['lag_share']:.0f} % "
+        f"of its TTFT p50, overrun {100 * check['device_overrun_share']:.0f} %): "
+        "replayed alone",
+        file=sys.stderr,
+    )
+    return attempt(name, f"{label} (alone)")
 
 
 def _closing_note(future: Future[RunResult]) -> str:
