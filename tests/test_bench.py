@@ -514,6 +514,24 @@ def test_restart_starts_with_every_prompt_on_the_drives_and_none_in_memory(
     assert drive["bench_bytes"] == from_drive * result.chunk_bytes
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_the_bound_after_a_restart_starts_with_every_prompt_in_hbm(
+    tmp_path: Path, restart: bool
+) -> None:
+    """The all-hot bound is vLLM with unbounded HBM: after --restart it holds
+    every prompt the others hold on their drives, or it would be no bound."""
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), *(["--restart"] if restart else [])
+    )
+    a, b, c = run(args, ALL_HOT).records
+    if restart:  # B's own 2 chunks too, and A's and C's whole chunks
+        assert b.served == {"gpu": 5}
+        assert a.served.get("gpu", 0) > 0 and c.served.get("gpu", 0) > 0
+    else:  # only A's prefix, held since A ran
+        assert b.served == {"gpu": 3}
+        assert a.served == {} and c.served == {}
+
+
 @pytest.mark.parametrize(("variant", "loading"), LOADING_ROADS)
 def test_prefetch_reads_the_chunks_vllm_holds_too(
     tmp_path: Path, variant: str, loading: str
@@ -670,7 +688,8 @@ def test_cli_writes_json_and_reports_missing_policy(
         "warmup_precision",
     ):
         assert isinstance(entry[key], float | None), key
-    assert entry["warmup_held_back"] is None  # none plans nothing
+    # none plans nothing
+    assert entry["warmup_held_back"] is None and entry["warmup_wasted_gb"] is None
     assert set(entry["hit_rate"]) == {"gpu", "hot", "warm", "cold"}
     assert entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
     assert document["config"]["kv_scale"] == 1024
@@ -694,7 +713,7 @@ def test_default_run_writes_the_picture_and_says_what_it_compared(
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert picture.stat().st_size > 20_000  # three panels drawn, not a blank page
     [summary] = [line for line in out.splitlines() if line.startswith("summary: ")]
-    assert "cold remote behind 5.23 GB/s + 0.1 ms" in summary
+    assert "cold remote behind 2.8 GB/s + 0.3 ms" in summary
     assert f"against vLLM alone ({NO_EXTERNAL_CACHE})" in summary
     lines = out.splitlines()
     invalid = {line.split(":")[0] for line in lines if command.NOT_VALID in line}
@@ -1413,6 +1432,23 @@ def test_seed_preset_without_overrides_is_the_documented_point(tmp_path: Path) -
     assert args.warm_drive == DeviceSpec(1.31, 0.0001)
 
 
+def test_fleet_and_boundary_presets_are_the_documented_points() -> None:
+    """fleet: returning sessions whose KV sits mostly in a cold tier slower
+    than warm; boundary: tiny contexts and little reuse."""
+    args = cli.parse_args(["bench", "--preset", "fleet"])
+    presets.apply(args.preset, args, args.preset_defaults, cli_bench.PRESET_PARSE)
+    assert (args.workload, args.restart, args.warm_gb) == ("agent", True, 1.2)
+    per_token = bench_shape(get_profile(args.profile), args.kv_scale).bytes_per_token
+    distinct = trace.unique_tokens(trace.generate("agent")) * per_token
+    assert args.warm_gb * 2**30 < distinct / 3  # most of it only in cold
+    assert args.cold_link.gbps < cli_bench.DEFAULT_WARM_DRIVES * args.warm_drive.gbps
+    args = cli.parse_args(["bench", "--preset", "boundary"])
+    presets.apply(args.preset, args, args.preset_defaults, cli_bench.PRESET_PARSE)
+    one_shot = trace.generate(args.workload)
+    assert trace.prefix_reuse(one_shot) < 0.3
+    assert max(r.input_length for r in one_shot) <= 2048 + 256
+
+
 def _summary(ttft: float, tps: float) -> dict[str, float]:
     return {"ttft_p50_s": ttft, "throughput_tps": tps}
 
@@ -1473,3 +1509,21 @@ def test_a_variant_not_valid_beside_others_is_replayed_alone(
     assert alone == ["[1/2] none (alone)"] and not unavailable
     assert [r.lag_max for r in runs[8]["none"]] == [0.05]
     assert [r.lag_max for r in runs[8]["hinted"]] == [0.1]
+
+
+def test_the_table_gives_what_warm_up_wasted_and_kept_off_the_drives() -> None:
+    record = report.RequestRecord(0.0, 0.1, 0.2, 0.5, 1.0, 300, 5, 2)
+    warmup = {"plans": 3, "bytes_wasted": 2_000_000_000, "bytes_used": 5_000_000_000}
+    hinted = report.RunResult(
+        "hinted", [record], 1024, None, {"warmup": warmup}, 0.7, 0.9, 0, 1
+    )
+    none = report.RunResult("none", [record], 1024, None, {}, None, None, None, 1)
+    summaries = {
+        n: report.summarize(r) for n, r in (("none", none), ("hinted", hinted))
+    }
+    assert summaries["hinted"]["warmup_wasted_gb"] == 2.0
+    assert summaries["hinted"]["warmup_kept_off_gb"] == 5.0
+    assert summaries["none"]["warmup_kept_off_gb"] is None
+    rows = report.table(summaries, "none").splitlines()
+    assert "GB waste/kept off" in rows[0]
+    assert "2.00/5.00" in rows[-1].split() and "-" in rows[-2].split()

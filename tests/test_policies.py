@@ -144,6 +144,58 @@ def test_session_promotes_chain_before_next_turn(view: FakeView) -> None:
     assert policy.on_tick(stored + 9.5) == []
 
 
+def _turn(
+    policy: WarmupPolicy, view: FakeView, chain: list[CacheEngineKey], new: int
+) -> None:
+    """A turn: its lookup finds the chain but its last ``new`` keys, which it stores."""
+    policy.on_lookup(chain, len(chain) - new)
+    view.put(chain[-new:], "warm")
+    policy.on_store(chain[-new:])
+
+
+def test_session_plans_from_each_conversations_own_gaps(view: FakeView) -> None:
+    """An agent's tool calls come back in 2 s while people take a minute: a
+    conversation with gaps of its own is planned from them, not the mix."""
+    policy = load_policy("session", view, {"lead_s": 0.5, "warm_lead_s": 1.0})
+    agent, person = make_keys(8), make_keys(8, start=100)
+    t0 = view.clock
+    _turn(policy, view, person[:2], 2)
+    view.clock = t0 + 60
+    _turn(policy, view, person[:4], 2)  # a person's gap: 60 s
+    for turn in range(1, 4):  # the agent's: 2 s, twice
+        _turn(policy, view, agent[: 2 * turn], 2)
+        view.clock += 2
+    view.clock -= 2  # the agent's third turn stored now
+    stored = view.clock
+    view.put(agent[:6], "cold")
+    # its own gaps (2, 2): warm 1 s before the next call is due, hot 0.5 s
+    assert policy.on_tick(stored + 0.9) == []
+    assert planned(policy.on_tick(stored + 1.0)) == {"warm": agent[:6]}
+    plans = policy.on_tick(stored + 1.5)
+    assert planned(plans) == {"hot": agent[:6]}
+    assert plans[0].deadline == pytest.approx(stored + 2.5)
+
+
+def test_session_leaves_the_hot_stage_to_arrival_hints_when_they_come(
+    view: FakeView,
+) -> None:
+    policy = load_policy("session", view, {"lead_s": 1.0, "warm_lead_s": 5.0})
+    chain = make_keys(4)
+    _turn(policy, view, chain[:2], 2)
+    view.clock += 10
+    _turn(policy, view, chain, 2)
+    stored = view.clock
+    view.put(chain, "cold")
+    # hints come: the warm stage stays the gap's, the hot one is the hint's
+    hint = policy.on_hint(make_keys(2, start=500), None)
+    assert hint == []  # nothing of that request is stored
+    assert planned(policy.on_tick(stored + 5.0)) == {"warm": chain}
+    assert policy.on_tick(stored + 9.0) == []
+    plans = policy.on_hint(chain, None)
+    assert planned(plans) == {"warm": chain, "hot": chain}
+    assert {p.request for p in plans} == {chain[-1]}
+
+
 def test_session_tracks_bounded_number_of_sessions(view: FakeView) -> None:
     policy = load_policy("session", view, {"max_sessions": "3"})
     for i in range(10):
@@ -211,9 +263,11 @@ def test_hinted_plans_the_cached_prefix_for_its_request(view: FakeView) -> None:
     view.put([keys[2], keys[4]], "cold")  # keys[3] is stored nowhere
 
     plans = policy.on_hint(keys, view.clock + 1.5)
-    # the cold chunk is also copied to warm (planned first), for the requests
-    # that the hot budget cannot hold; the chunk already hot is planned too
-    # (the promoter pins it there); the plan is the request's (its last key)
+    # the cold chunk is also copied to warm (planned after: dropped if it got
+    # to hot), for the requests the pin budget cannot hold; the chunk already
+    # hot is planned too (the promoter pins it there); the plans are the
+    # request's (its last key)
+    assert [p.target for p in plans] == ["hot", "warm"]
     assert planned(plans) == {"warm": [keys[2]], "hot": [keys[0], keys[1], keys[2]]}
     assert {plan.deadline for plan in plans} == {view.clock + 1.5}
     assert {plan.request for plan in plans} == {keys[-1]}
@@ -294,7 +348,7 @@ def test_unknown_policy_lists_installed(view: FakeView) -> None:
         ("lookahead", {"window_s": "soon"}, "tiered.warmup.lookahead.window_s"),
         ("lookahead", {"window_s": "-1"}, "tiered.warmup.lookahead.window_s: must"),
         ("frequency", {"top_k": "2.5"}, "tiered.warmup.frequency.top_k"),
-        ("session", {"ewma_alpha": 2}, "tiered.warmup.session.ewma_alpha"),
+        ("session", {"early_quantile": 2}, "tiered.warmup.session.early_quantile"),
     ],
 )
 def test_bad_parameter_names_its_key(

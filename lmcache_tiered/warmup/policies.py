@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -140,14 +140,23 @@ class LookaheadPolicy(_Planner):
         return plans
 
 
+#: gaps kept per conversation (its latest) and over all conversations
+GAPS_KEPT, ALL_GAPS_KEPT = 8, 256
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``ordered`` (nearest rank; non-empty)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 @dataclass(slots=True)
 class _Session:
     """A conversation as of its last store: the whole chain and when."""
 
     chain: tuple[StoreKey, ...]
     stored_at: float
-    #: this conversation's own average gap between a store and its next turn
-    gap: float | None
+    #: this conversation's latest gaps between a store and its next turn
+    gaps: tuple[float, ...]
 
 
 @dataclass(slots=True)
@@ -156,31 +165,40 @@ class _Sighting:
     keys find the chain head it extends."""
 
     keys: tuple[StoreKey, ...]
-    gap: float | None
+    gaps: tuple[float, ...]
 
 
 class SessionPolicy(_Planner):
-    """Multi-turn chat: the next turn of a conversation looks up the whole
-    chain its last turn stored, after a think time that is learned.
+    """Multi-turn chat and agent loops: the next turn of a conversation looks
+    up the whole chain its last turn stored, after a gap that is learned.
 
     A chain is the lookup's keys up to the first newly stored key plus the
-    stored keys. The gap from a store to the lookup that extends its chain is
-    averaged (EWMA) per conversation and over all; ``warm_lead_s`` before the
-    expected next turn the chain is brought back to warm (cold -> warm: it may
-    have been demoted meanwhile), ``lead_s`` before it to hot.
+    stored keys. Gaps (a store to the lookup that extends its chain) are kept
+    per conversation (its last 8) and over all (the last 256): agents' tool
+    calls come back in seconds and regularly, people after tens of seconds
+    or minutes, so no single average fits both. After a store, from the
+    conversation's own gaps (two or more) or else everyone's, the chain goes
+    back to warm (cold -> warm: it may have been demoted) ``warm_lead_s``
+    before the early end of the gaps (their ``early_quantile``), and to hot
+    ``lead_s`` before it, held until ``lead_s`` past their late end
+    (``late_quantile``). While arrival hints come, the hot stage is the
+    hint's instead, as ``hinted`` does it: the turn is then known to be next
+    in the queue, and a pin held through a long think time would take the
+    budget from requests that are.
 
-    Helps chat and agent loops whose think time exceeds a cold read; needs one
-    observed gap before it predicts anything. Does not help single-turn
+    Helps chat and agent loops whose think time exceeds a cold read; needs
+    one observed gap before it predicts anything. Does not help single-turn
     traffic (nothing extends a chain) and wastes hot space on conversations
-    that end: keep ``lead_s`` short so such guesses expire quickly. Memory:
-    ``max_sessions`` chains (least recently stored dropped first) plus the
-    keys of recent lookups.
+    that end. Memory: ``max_sessions`` chains (least recently stored dropped
+    first) plus the keys of recent lookups.
     """
 
     name = "session"
 
     #: recently looked-up keys remembered to join stores to their chains
     SEEN_KEYS = 1 << 16
+    #: seconds after the last arrival hint during which hints are taken to come
+    HINTS_FRESH_S = 60.0
 
     def __init__(
         self,
@@ -188,21 +206,32 @@ class SessionPolicy(_Planner):
         *,
         lead_s: float = 1.0,
         warm_lead_s: float = 10.0,
-        ewma_alpha: float = 0.3,
+        early_quantile: float = 0.1,
+        late_quantile: float = 0.75,
+        max_wait_s: float = 120.0,
         max_sessions: int = 1024,
         max_gap_s: float = 900.0,
     ) -> None:
         super().__init__(view)
         _require(lead_s > 0, "lead_s", "greater than 0", lead_s)
         _require(warm_lead_s >= lead_s, "warm_lead_s", ">= lead_s", warm_lead_s)
-        _require(0 < ewma_alpha <= 1, "ewma_alpha", "in (0, 1]", ewma_alpha)
+        _require(
+            0 <= early_quantile <= late_quantile <= 1,
+            "early_quantile",
+            "in [0, late_quantile]",
+            early_quantile,
+        )
+        _require(late_quantile <= 1, "late_quantile", "at most 1", late_quantile)
         _require(max_sessions > 0, "max_sessions", "greater than 0", max_sessions)
         _require(max_gap_s > lead_s, "max_gap_s", "greater than lead_s", max_gap_s)
         self.lead_s = lead_s
         self.warm_lead_s = warm_lead_s
-        self.ewma_alpha = ewma_alpha
+        self.early_quantile = early_quantile
+        self.late_quantile = late_quantile
         self.max_sessions = max_sessions
         self.max_gap_s = max_gap_s
+        self._hints = HintedPolicy(view, max_wait_s=max_wait_s)
+        self._last_hint = float("-inf")
         #: chain tail -> session, least recently stored first
         self._sessions: OrderedDict[StoreKey, _Session] = OrderedDict()
         #: key -> (latest lookup holding it, its position there)
@@ -210,29 +239,32 @@ class SessionPolicy(_Planner):
         #: (when, seq, session, target, deadline): a promotion stage falling due
         self._due: list[tuple[float, int, _Session, Literal["hot", "warm"], float]] = []
         self._seq = itertools.count()
-        self._gap: float | None = None
+        self._gaps: deque[float] = deque(maxlen=ALL_GAPS_KEPT)
 
     @property
     def tracked_sessions(self) -> int:
         """Sessions held (at most ``max_sessions``)."""
         return len(self._sessions)
 
-    def _average(self, old: float | None, sample: float) -> float:
-        return sample if old is None else old + self.ewma_alpha * (sample - old)
+    def on_hint(self, keys: Sequence[StoreKey], deadline: float | None) -> list[Plan]:
+        with self._lock:
+            self._last_hint = self.view.now()
+        return self._hints.on_hint(keys, deadline)
 
     def on_lookup(self, keys: Sequence[StoreKey], hits: int) -> list[Plan]:
         now = self.view.now()
         with self._lock:
-            gap = None
+            gaps: tuple[float, ...] = ()
             # The latest key that ends a stored chain: this request is its next turn.
             tail = next((k for k in reversed(keys) if k in self._sessions), None)
             if tail is not None:
                 session = self._sessions.pop(tail)
                 sample = now - session.stored_at
+                gaps = session.gaps
                 if sample <= self.max_gap_s:
-                    self._gap = self._average(self._gap, sample)
-                    gap = self._average(session.gap, sample)
-            sighting = _Sighting(tuple(keys), gap)
+                    self._gaps.append(sample)
+                    gaps = (*gaps, sample)[-GAPS_KEPT:]
+            sighting = _Sighting(tuple(keys), gaps)
             for position, key in enumerate(sighting.keys):
                 self._seen[key] = (sighting, position)
                 self._seen.move_to_end(key)
@@ -247,11 +279,11 @@ class SessionPolicy(_Planner):
         with self._lock:
             seen = self._seen.get(keys[0])
             if seen is None:
-                session = _Session(tuple(keys), now, None)
+                session = _Session(tuple(keys), now, ())
             else:
                 sighting, position = seen
                 session = _Session(
-                    sighting.keys[:position] + tuple(keys), now, sighting.gap
+                    sighting.keys[:position] + tuple(keys), now, sighting.gaps
                 )
                 if position:
                     # An earlier store of this request (chunked prefill) ended
@@ -262,21 +294,25 @@ class SessionPolicy(_Planner):
             self._sessions[tail] = session
             while len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
-            gap = session.gap if session.gap is not None else self._gap
-            if gap is not None:
-                expected, due, seq = now + gap, self._due, self._seq
-                deadline = expected + self.lead_s
-                when = expected - self.warm_lead_s
+            gaps = sorted(session.gaps if len(session.gaps) > 1 else self._gaps)
+            if gaps:
+                early = now + _quantile(gaps, self.early_quantile)
+                deadline = now + _quantile(gaps, self.late_quantile) + self.lead_s
+                due, seq = self._due, self._seq
+                when = early - self.warm_lead_s
                 heapq.heappush(due, (when, next(seq), session, "warm", deadline))
-                when = expected - self.lead_s
+                when = early - self.lead_s
                 heapq.heappush(due, (when, next(seq), session, "hot", deadline))
         return []
 
     def on_tick(self, now: float) -> list[Plan]:
         stages = []
         with self._lock:
+            hinted = now - self._last_hint < self.HINTS_FRESH_S
             while self._due and self._due[0][0] <= now:
                 _, _, session, target, deadline = heapq.heappop(self._due)
+                if target == "hot" and hinted:
+                    continue  # the hint will bring it to hot when it is next
                 if self._sessions.get(session.chain[-1]) is session:
                     stages.append((session.chain, target, deadline))
         plans: list[Plan] = []
@@ -418,8 +454,9 @@ class FrequencyPolicy(_Planner):
 
 class HintedPolicy(WarmupPolicy):
     """On an arrival hint, bring the request's cached prefix to hot while the
-    request waits in vLLM's queue (its cold part to warm first), and keep it
-    pinned there until the request's retrieve takes it.
+    request waits in vLLM's queue, and keep it pinned there until the
+    request's retrieve takes it; its cold part goes to warm where the pin
+    budget has no room (a cold read then leaves the engine's path).
 
     The prefix is the keys stored somewhere, contiguous from the head (a
     chunk after the first miss is useless to LMCache); chunks already in
@@ -458,5 +495,7 @@ class HintedPolicy(WarmupPolicy):
         request = keys[-1]
         prefix = tuple(keys[:stored])
         cold = tuple(k for k, w in zip(prefix, where, strict=False) if w == "cold")
-        plans = [Plan(cold, "warm", deadline, request)] if cold else []
-        return plans + [Plan(prefix, "hot", deadline, request)]
+        # hot first: a cold chunk goes to hot in one read; the copy to warm
+        # then finds it there and is dropped, unless the pin budget was full
+        plans = [Plan(prefix, "hot", deadline, request)]
+        return plans + ([Plan(cold, "warm", deadline, request)] if cold else [])

@@ -29,6 +29,10 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
 - ``warmup_held_back``: planned chunks the benefit guard skipped (a policy
   whose promotions to hot go unused holds itself back). Null where nothing
   was planned.
+- ``warmup_wasted_gb``/``warmup_kept_off_gb``: bytes promoted to hot that
+  LMCache dropped unused; bytes promoted to hot that a retrieve then took,
+  which a drive would otherwise have read on the engine's path (production
+  GB are these times ``kv_scale``). Null where nothing was planned.
 - ``backend_metrics``: the plugin's own ``metrics_snapshot()``.
 - ``lag_max_s``: how far the replay fell behind its modelled GPU at worst
   (the loop woke late, e.g. on a busy machine); ``lag_share``: that as a
@@ -155,9 +159,19 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "warmup_precision": result.warmup_precision,
         "warmup_timeliness": result.warmup_timeliness,
         "warmup_held_back": result.warmup_held_back,
+        **_warmup_bytes(result.backend_metrics.get("warmup") or {}),
         "backend_metrics": result.backend_metrics,
         "wall_s": result.wall_s,
         **validity(result.lag_max, percentile(ttft, 50), result.device_overrun),
+    }
+
+
+def _warmup_bytes(warmup: Mapping[str, Any]) -> dict[str, float | None]:
+    """GB the warm-up wasted and kept off the drives (None without plans)."""
+    planned = bool(warmup.get("plans"))
+    return {
+        "warmup_wasted_gb": warmup["bytes_wasted"] / 1e9 if planned else None,
+        "warmup_kept_off_gb": warmup["bytes_used"] / 1e9 if planned else None,
     }
 
 
@@ -209,6 +223,11 @@ def _median_tree(values: Sequence[Any]) -> Any:
     return percentile(numbers, 50) if numbers else None
 
 
+def _waste_kept(summary: Mapping[str, Any]) -> str:
+    wasted, kept = summary.get("warmup_wasted_gb"), summary.get("warmup_kept_off_gb")
+    return "-" if wasted is None or kept is None else f"{wasted:.2f}/{kept:.2f}"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -256,7 +275,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str) -> str:
         "GB read warm/cold",
         "prec",
         "timely",
-        "held back",
+        "GB waste/kept off",
         "of bound",
         "lag/overrun",
         f"dTTFT50 vs {reference}",
@@ -287,7 +306,7 @@ def table(summaries: Mapping[str, Mapping[str, Any]], reference: str) -> str:
             read,
             _fmt(s["warmup_precision"], ".2f"),
             _fmt(s["warmup_timeliness"], ".2f"),
-            _fmt(s["warmup_held_back"], ".0f"),
+            _waste_kept(s),
             "-" if share is None else f"{100 * share:.0f}%",
             f"{100 * s['lag_share']:.0f}/{100 * s['device_overrun_share']:.0f}%",
             *changes,

@@ -210,6 +210,23 @@ WORKLOADS: dict[str, WorkloadShape] = {
         think_s=0.0,
         random_requests=100,
     ),
+    "one-shot": WorkloadShape(
+        description=(
+            "one-shot random access with tiny contexts (the boundary preset): "
+            "each request one of 1,000 documents of 256-2k tokens, drawn "
+            "uniformly, plus its own question; little reuse, no order to predict"
+        ),
+        sessions=1000,
+        rate_per_s=8.0,
+        system_prompts=0,
+        system_prompt_blocks=0,
+        turns=(1, 1),
+        first_user_tokens=(256, 2048),
+        user_tokens=(32, 256),
+        output_tokens=(20, 80),
+        think_s=0.0,
+        random_requests=600,
+    ),
     "long": WorkloadShape(
         description=(
             "long-context coding sessions (the seed-r2 preset): first messages of "

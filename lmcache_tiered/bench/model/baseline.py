@@ -32,6 +32,7 @@ The model (:class:`GpuPrefixCache`):
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 
 from lmcache_tiered.bench.common import trace
 
@@ -114,6 +115,13 @@ class GpuPrefixCache:
                 self._free.pop(block, None)
         self._holding[owner] = max(touched, count)
         self._evict()
+
+    def preload(self, requests: Iterable[trace.Request]) -> None:
+        """Start with ``requests``' whole prompts held and free, in this order
+        (``--restart``'s bound: every prompt is cached before the replay)."""
+        for request in requests:
+            self.hold(-1, request, request.input_length)
+            self.release(-1, request)
 
     def release(self, owner: int, request: trace.Request) -> None:
         """``owner`` finished: the blocks it held become evictable, tail first."""

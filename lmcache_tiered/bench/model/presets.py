@@ -1,5 +1,18 @@
 """Named bench operating points (``--preset``) and the seed's targets.
 
+``fleet`` is a host that joins a fleet (or restarts) while sessions come
+back: the agent workload (``--workload agent``) with every distinct prompt
+already on the drives, written by other hosts (``--restart``), local warm
+NVMe holding a quarter of it (``--warm-gb`` 1.2 GiB of the 4.8 GiB at F =
+16), so most returning KV sits in cold, the fleet's NVMe-oF behind the
+default link (one 25 GbE path: 2.8 GB/s + 0.3 ms, see
+:data:`lmcache_tiered.bench.model.options.DEFAULT_COLD_LINK`).
+
+``boundary`` is the vendor report's benefit boundary, where warm-up must
+cost nothing measurable: the ``one-shot`` workload, random access over a
+large pool of small documents (tiny contexts, little reuse, no order to
+predict).
+
 The seed's table (Qwen3-Coder-480B-FP8, TP8 on H200): with tiered warm-up,
 throughput +29 % at concurrency 8 (its lower bound) and +40 % at 16, TTFT p50
 -26..-32 %, against "no external cache acceleration" (vLLM's GPU prefix cache
@@ -65,7 +78,24 @@ PRESETS: dict[str, Preset] = {
             "profile": "qwen3-coder-480b-fp8-tp8",
             "workload": "long",
             "kv_scale": 16.0,
+            "cold_link": "5.23,0.1",
         },
+    ),
+    "fleet": Preset(
+        description=(
+            "returning agent sessions on a host whose KV other hosts wrote: every "
+            "prompt on the drives at the start, warm holding a quarter of it, the "
+            "rest in the fleet's NVMe-oF cold tier behind one 25 GbE path"
+        ),
+        settings={"workload": "agent", "restart": True, "warm_gb": 1.2},
+    ),
+    "boundary": Preset(
+        description=(
+            "the benefit boundary: one-shot random access over many small "
+            "documents (tiny contexts, little reuse), where warm-up must cost "
+            "nothing measurable"
+        ),
+        settings={"workload": "one-shot"},
     ),
 }
 

@@ -303,7 +303,8 @@ def describe(
             "restart: each variant with LMCache first stores every distinct prompt "
             "once, untimed, and waits until it is on its drives; then LMCache's CPU "
             "tier is emptied: the replay starts as a server restarted over full "
-            "drives (serve-bench --restart); vLLM's prefix cache starts empty"
+            "drives (serve-bench --restart); vLLM's prefix cache starts empty, "
+            "but for the all-hot bound's, which starts holding every prompt"
         )
     if setup.warm_drive is None and shape.kv_scale != 1:
         lines.append(
