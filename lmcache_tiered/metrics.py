@@ -104,6 +104,9 @@ class WarmupStats:
     gpu_skipped: int = 0
     #: chunks already in LMCache's CPU tier pinned there for a plan
     pinned_in_place: int = 0
+    #: bytes of those that a retrieve then took (not in ``bytes_used``,
+    #: which counts what the promoter read)
+    bytes_used_in_place: int = 0
 
     @property
     def precision(self) -> float | None:

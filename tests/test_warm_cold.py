@@ -311,7 +311,11 @@ def test_chunks_already_hot_are_pinned_where_they_are(
     wait_until(lambda: set(list(hot.hot_cache)[-2:]) == set(keys))
     out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
     assert int(mask.sum()) == 2 * CHUNK and torch.equal(out, kv)
-    assert cache.promoter.stats.timely == 2
+    stats = cache.promoter.stats
+    assert stats.timely == 2
+    # kept, not read: precision (over what was read) stays unset
+    assert stats.bytes_used_in_place == 2 * CHUNK_BYTES and stats.bytes_used == 0
+    assert stats.precision is None
 
 
 def test_lookahead_plans_nothing_for_unseen_random_lookups(

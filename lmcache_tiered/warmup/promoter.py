@@ -96,6 +96,8 @@ class _Promotion:
     #: a lookup found it (then a retrieve takes it within FOUND_GRACE_S, or
     #: vLLM's GPU prefix cache served that chunk)
     found: bool = False
+    #: read into hot by the promoter (False: pinned where it already was)
+    read: bool = True
 
     def release(self) -> None:
         if self.pinned:
@@ -199,8 +201,8 @@ class Promoter:
         """Remember a request with plans (call under the lock)."""
         self._requests[request] = max(deadline, self._requests.get(request, deadline))
         if len(self._requests) > SWEEP_MIN:
-            now = self.view.now()
-            self._requests = {r: d for r, d in self._requests.items() if d > now}
+            now, requests = self.view.now(), self._requests.items()
+            self._requests = {r: d for r, d in requests if d > now}
 
     def scheduled(self, keys: Sequence[StoreKey]) -> None:
         """A lookup of ``keys`` (a whole prompt's chunks past those LMCache's
@@ -416,22 +418,18 @@ class Promoter:
                 self._requeue(replace(unit, keys=tuple(source_keys)))
 
     def _gpu_serves(self, key: StoreKey) -> bool:
-        """Whether vLLM's GPU prefix cache served ``key`` lately (a lookup
-        found its promotion and no retrieve took it)."""
+        """Whether vLLM's GPU prefix cache served ``key`` lately."""
         with self._cond:
             until = self._gpu_held.get(key_digest(key))
         return until is not None and until > self.view.now()
 
     def _throttle(self) -> None:
-        delay = self._next_io - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+        time.sleep(max(0.0, self._next_io - time.monotonic()))
 
     def _spent(self, nbytes: int) -> None:
         if self.bandwidth:
-            self._next_io = (
-                max(self._next_io, time.monotonic()) + nbytes / self.bandwidth
-            )
+            start = max(self._next_io, time.monotonic())
+            self._next_io = start + nbytes / self.bandwidth
 
     def _to_warm(self, keys: list[StoreKey]) -> None:
         """Copy ``keys`` from cold (ours, or another host's shared files) to
@@ -447,9 +445,8 @@ class Promoter:
         self._spent(moved)
 
     def _pin_in_place(self, keys: list[StoreKey], unit: _Queued) -> bool:
-        """Pin ``keys``, already in LMCache's CPU tier, until used or the
-        unit's deadline (its LRU would drop them before their request is
-        scheduled); False (nothing done) when the budget has no room."""
+        """Pin ``keys``, already in LMCache's CPU tier, as :meth:`_to_hot`
+        pins what it reads; False (nothing done) when the budget has no room."""
         hot = self.hot
         assert hot is not None
         with self._cond:
@@ -464,7 +461,7 @@ class Promoter:
                 return False
             for key, obj in held:
                 obj.pin()
-                self._track(key, obj, unit)
+                self._track(key, obj, unit, read=False)
             self.stats.pinned_in_place += len(held)
             return True
         finally:
@@ -495,26 +492,27 @@ class Promoter:
         hot.batched_submit_put_task([k for k, _ in found], [o for _, o in found])
         moved = 0
         for key, obj in found:
-            self._track(key, obj, unit)
+            self._track(key, obj, unit, read=True)
             moved += obj.get_size()
             obj.ref_count_down()  # the hot tier holds its own reference now
         self.stats.bytes_promoted_hot += moved
         self._spent(moved)
         return True
 
-    def _track(self, key: StoreKey, obj: MemoryObj, unit: _Queued) -> None:
+    def _track(self, key: StoreKey, obj: MemoryObj, unit: _Queued, read: bool) -> None:
         """Hold a pinned promotion until its first use: the first reference
         the hot tier hands out after the put (a retrieve taking it, not a
         lookup finding it: vLLM loads nothing its GPU prefix cache holds)."""
         digest = key_digest(key)
-        promotion = _Promotion(key, obj, obj.get_size(), unit.deadline, unit.request)
+        promotion = _Promotion(
+            key, obj, obj.get_size(), unit.deadline, unit.request, read=read
+        )
         with self._cond:
             self._promoted[digest] = promotion
         watch_use(obj, lambda: self._used(digest), lambda: self._found(digest))
 
     def _found(self, digest: bytes) -> None:
-        """A lookup found a promotion: the retrieve that follows takes it
-        within FOUND_GRACE_S, or vLLM's GPU prefix cache serves that chunk."""
+        """A lookup found a promotion: a retrieve takes it soon, or not at all."""
         with self._cond:
             promotion = self._promoted.get(digest)
             if promotion is not None:
@@ -528,7 +526,10 @@ class Promoter:
             if promotion is None:
                 return
             self.stats.timely += 1
-            self.stats.bytes_used += promotion.size
+            if promotion.read:
+                self.stats.bytes_used += promotion.size
+            else:
+                self.stats.bytes_used_in_place += promotion.size
             self._outcomes.append(True)
             promotion.release()  # the retrieve holds its own reference now
             self._hot_full = False
@@ -552,7 +553,7 @@ class Promoter:
                 if not cached[digest]:
                     del self._promoted[digest]
                     self.stats.wasted += 1
-                    self.stats.bytes_wasted += promotion.size
+                    self.stats.bytes_wasted += promotion.size if promotion.read else 0
                     self._outcomes.append(False)
                     promotion.release()
                 elif promotion.pinned and promotion.deadline < now:

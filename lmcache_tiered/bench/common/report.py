@@ -29,10 +29,11 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
 - ``warmup_held_back``: planned chunks the benefit guard skipped (a policy
   whose promotions to hot go unused holds itself back). Null where nothing
   was planned.
-- ``warmup_wasted_gb``/``warmup_kept_off_gb``: bytes promoted to hot that
-  LMCache dropped unused; bytes promoted to hot that a retrieve then took,
-  which a drive would otherwise have read on the engine's path (production
-  GB are these times ``kv_scale``). Null where nothing was planned.
+- ``warmup_wasted_gb``/``warmup_kept_off_gb``: bytes read into hot that
+  LMCache dropped unused; bytes promoted to hot (read, or pinned where they
+  were) that a retrieve then took, which a drive would otherwise have read
+  on the engine's path (production GB are these times ``kv_scale``). Null
+  where nothing was planned.
 - ``backend_metrics``: the plugin's own ``metrics_snapshot()``.
 - ``lag_max_s``: how far the replay fell behind its modelled GPU at worst
   (the loop woke late, e.g. on a busy machine); ``lag_share``: that as a
@@ -171,7 +172,10 @@ def _warmup_bytes(warmup: Mapping[str, Any]) -> dict[str, float | None]:
     planned = bool(warmup.get("plans"))
     return {
         "warmup_wasted_gb": warmup["bytes_wasted"] / 1e9 if planned else None,
-        "warmup_kept_off_gb": warmup["bytes_used"] / 1e9 if planned else None,
+        "warmup_kept_off_gb": (warmup["bytes_used"] + warmup["bytes_used_in_place"])
+        / 1e9
+        if planned
+        else None,
     }
 
 

@@ -212,20 +212,21 @@ WORKLOADS: dict[str, WorkloadShape] = {
     ),
     "one-shot": WorkloadShape(
         description=(
-            "one-shot random access with tiny contexts (the boundary preset): "
-            "each request one of 1,000 documents of 256-2k tokens, drawn "
-            "uniformly, plus its own question; little reuse, no order to predict"
+            "one-shot random access (the boundary preset): each request one of "
+            "800 documents of 3k-9k tokens, drawn uniformly, plus its own "
+            "question; little reuse, most of it beyond vLLM's HBM cache, and no "
+            "order to predict"
         ),
-        sessions=1000,
-        rate_per_s=8.0,
+        sessions=800,
+        rate_per_s=5.0,
         system_prompts=0,
         system_prompt_blocks=0,
         turns=(1, 1),
-        first_user_tokens=(256, 2048),
+        first_user_tokens=(3000, 9000),
         user_tokens=(32, 256),
         output_tokens=(20, 80),
         think_s=0.0,
-        random_requests=600,
+        random_requests=400,
     ),
     "long": WorkloadShape(
         description=(
