@@ -216,12 +216,14 @@ class SessionPolicy(_Planner):
         _require(lead_s > 0, "lead_s", "greater than 0", lead_s)
         _require(warm_lead_s >= lead_s, "warm_lead_s", ">= lead_s", warm_lead_s)
         _require(
-            0 <= early_quantile <= late_quantile <= 1,
-            "early_quantile",
-            "in [0, late_quantile]",
-            early_quantile,
+            0 <= early_quantile <= 1, "early_quantile", "in [0, 1]", early_quantile
         )
-        _require(late_quantile <= 1, "late_quantile", "at most 1", late_quantile)
+        _require(
+            early_quantile <= late_quantile <= 1,
+            "late_quantile",
+            "in [early_quantile, 1]",
+            late_quantile,
+        )
         _require(max_sessions > 0, "max_sessions", "greater than 0", max_sessions)
         _require(max_gap_s > lead_s, "max_gap_s", "greater than lead_s", max_gap_s)
         self.lead_s = lead_s
@@ -486,16 +488,21 @@ class HintedPolicy(WarmupPolicy):
         self.max_wait_s = max_wait_s
 
     def on_hint(self, keys: Sequence[StoreKey], deadline: float | None) -> list[Plan]:
-        where = [self.view.where(key) for key in keys]
-        stored = sum(1 for _ in itertools.takewhile(lambda w: w is not None, where))
-        if not stored:
+        prefix: list[StoreKey] = []
+        cold: list[StoreKey] = []
+        for key in keys:  # up to the first miss: nothing past it is read
+            where = self.view.where(key)
+            if where is None:
+                break
+            prefix.append(key)
+            if where == "cold":
+                cold.append(key)
+        if not prefix:
             return []
         if deadline is None:
             deadline = self.view.now() + self.max_wait_s
         request = keys[-1]
-        prefix = tuple(keys[:stored])
-        cold = tuple(k for k, w in zip(prefix, where, strict=False) if w == "cold")
         # hot first: a cold chunk goes to hot in one read; the copy to warm
         # then finds it there and is dropped, unless the pin budget was full
-        plans = [Plan(prefix, "hot", deadline, request)]
-        return plans + ([Plan(cold, "warm", deadline, request)] if cold else [])
+        plans = [Plan(tuple(prefix), "hot", deadline, request)]
+        return plans + ([Plan(tuple(cold), "warm", deadline, request)] if cold else [])

@@ -163,7 +163,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         **_warmup_bytes(result.backend_metrics.get("warmup") or {}),
         "backend_metrics": result.backend_metrics,
         "wall_s": result.wall_s,
-        **validity(result.lag_max, percentile(ttft, 50), result.device_overrun),
+        **run_validity(result),
     }
 
 
@@ -177,6 +177,12 @@ def _warmup_bytes(warmup: Mapping[str, Any]) -> dict[str, float | None]:
         if planned
         else None,
     }
+
+
+def run_validity(result: RunResult) -> dict[str, Any]:
+    """:func:`validity` of one run, from its own lag, TTFTs and overrun."""
+    ttft_p50 = percentile(ttfts(result), 50)
+    return validity(result.lag_max, ttft_p50, result.device_overrun)
 
 
 def validity(lag_s: float, ttft_p50_s: float, overrun: float) -> dict[str, Any]:

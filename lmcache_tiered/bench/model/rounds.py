@@ -20,7 +20,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from functools import partial
 
 from lmcache_tiered.bench.common.progress import Progress, finished_note
-from lmcache_tiered.bench.common.report import RunResult, percentile, ttfts, validity
+from lmcache_tiered.bench.common.report import RunResult, run_validity
 from lmcache_tiered.bench.model import variants
 from lmcache_tiered.bench.model.scenario import Setup, Workload
 from lmcache_tiered.bench.model.variants import VariantUnavailable, policy_of
@@ -143,9 +143,7 @@ def _alone_if_invalid(
     the cores its replay needed), a replay of the variant alone."""
     if result is None:
         return None
-    check = validity(
-        result.lag_max, percentile(ttfts(result), 50), result.device_overrun
-    )
+    check = run_validity(result)
     if check["valid"]:
         return result
     print(
