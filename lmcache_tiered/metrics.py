@@ -50,6 +50,9 @@ class TierStats:
     puts: int = 0
     puts_dropped: int = 0
     corrupt: int = 0
+    #: records refused for want of a valid MAC under the fleet secret
+    #: (forged, or written without the secret)
+    unsigned: int = 0
     evictions: int = 0
     io_errors: int = 0
     #: times the tier went degraded (see lmcache_tiered.storage.tier)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zlib
 
@@ -16,11 +17,14 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache_tiered.keys import DIGEST_SIZE, StoreKey, key_digest, key_text
 from lmcache_tiered.storage.layout import (
     HEADER_SIZE,
+    MAC_SIZE,
+    SEALED_VERSION,
     CorruptRecord,
     Geometry,
     RecordHeader,
     payload_checksum,
 )
+from lmcache_tiered.storage.seal import MIN_SECRET_BYTES, RecordSeal
 
 KEY = CacheEngineKey("model/x", 4, 1, 0xABCDEF0123, torch.bfloat16, None)
 
@@ -38,6 +42,28 @@ def make_header(**changes: object) -> RecordHeader:
     }
     fields.update(changes)
     return RecordHeader(**fields)  # type: ignore[arg-type]
+
+
+def test_a_sealed_header_round_trips_and_its_mac_binds_what_it_is() -> None:
+    """Version 3 carries a MAC of what the record is and of its payload: a
+    record of another shape, other bytes, another secret or no MAC fails."""
+    seal = RecordSeal(b"k" * MIN_SECRET_BYTES)
+    header = make_header()
+    payload = memoryview(bytes(range(256)) * (header.payload_size // 256))
+    sealed = dataclasses.replace(
+        header, version=SEALED_VERSION, mac=seal.mac(header.identity(), payload)
+    )
+    decoded = RecordHeader.decode(sealed.encode(), max_payload=1 << 20)
+    assert decoded == sealed and len(decoded.mac) == MAC_SIZE
+    assert seal.verifies(decoded, payload)
+    assert not seal.verifies(header, payload)  # version 2: no MAC
+    assert not RecordSeal(b"o" * MIN_SECRET_BYTES).verifies(decoded, payload)
+    reshaped = dataclasses.replace(decoded, shape=torch.Size([2, 2, 128, 256]))
+    assert not seal.verifies(reshaped, payload)
+    assert not seal.verifies(decoded, memoryview(bytes(len(payload))))
+    with pytest.raises(ValueError, match="MAC"):
+        dataclasses.replace(header, version=SEALED_VERSION).encode()
+    assert "k" * 8 not in repr(seal)
 
 
 def test_header_round_trip() -> None:

@@ -737,3 +737,39 @@ def test_a_store_refusing_writes_keeps_serving_reads(
     lines = [r.getMessage() for r in caplog.records]
     assert sum("takes writes again" in m for m in lines) == 1, lines
     served_from_the_store_again(engine, connector, cache, seed=81)
+
+
+def test_under_a_fleet_secret_a_store_serves_only_sealed_records(
+    engine_factory: EngineFactory, tmp_path: Path, redis: Redis
+) -> None:
+    """Anyone with access to the store can write objects named by a key's
+    digest: under ``cold.auth_key_file`` those are refused, and a record a
+    host holding the secret wrote is served."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"f" * 32)
+    secret.chmod(0o400)
+    sealed = {"cold.write": "through", "cold.auth_key_file": str(secret)}
+    tokens = testing.make_tokens(2 * CHUNK, seed=5)
+
+    def stored_by(name: str, seed: int, **settings: Any) -> torch.Tensor:
+        engine, connector, _ = store_engine(
+            engine_factory, tmp_path / name, redis.adapter, **settings
+        )
+        kv = testing.make_kv(connector, len(tokens), seed=seed)
+        testing.store_tokens(engine, tokens, kv)
+        cache_of(engine).flush()
+        return kv
+
+    def served_by_a_new_host(name: str) -> tuple[torch.Tensor | None, int]:
+        engine, connector, cache = store_engine(
+            engine_factory, tmp_path / name, redis.adapter, **sealed
+        )
+        out, mask = testing.retrieve_tokens(engine, tokens, connector=connector)
+        whole = out if int(mask.sum()) == len(tokens) else None
+        return whole, cache.tiers["cold"].stats.unsigned
+
+    stored_by("attacker", seed=66, **{"cold.write": "through"})
+    assert served_by_a_new_host("reader") == (None, 2)  # both headers refused
+    honest = stored_by("writer", seed=6, **sealed)
+    out, unsigned = served_by_a_new_host("reader-2")
+    assert out is not None and torch.equal(out, honest) and unsigned == 0

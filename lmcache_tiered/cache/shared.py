@@ -24,11 +24,12 @@ import stat
 import threading
 import time
 
-from lmcache_tiered.config import ConfigError, TieredConfig
+from lmcache_tiered.config import ConfigError, TieredConfig, setting_key
 from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.files import file_kind, printable
 from lmcache_tiered.storage.health import JOIN_S
 from lmcache_tiered.storage.layout import RecordHeader, TierNames
+from lmcache_tiered.storage.seal import RecordSeal
 from lmcache_tiered.storage.tier import Tier
 
 logger = logging.getLogger("lmcache_tiered")
@@ -48,11 +49,19 @@ class SharedCold:
     """The other hosts' files in our cold tier's directories, read-only."""
 
     def __init__(
-        self, own: Tier | None, settings: TieredConfig, *, max_payload: int
+        self,
+        own: Tier | None,
+        settings: TieredConfig,
+        *,
+        max_payload: int,
+        seal: RecordSeal | None = None,
     ) -> None:
+        """``seal``: the fleet secret's; the other hosts' records are then
+        served only with a valid MAC (see :class:`Tier`)."""
         self._own = own
         self._settings = settings
         self._max_payload = max_payload
+        self._seal = seal
         self._foreign: dict[str, Tier] = {}
         #: header file -> (size, mtime_ns, wall time) when we last read it
         self._read_at: dict[str, tuple[int, int, float]] = {}
@@ -89,6 +98,9 @@ class SharedCold:
             if owner is None or owner == own.owner:
                 continue
             listed.add(name)
+            if not self._trusted_host(owner):
+                self._refuse(name, f"its host is not in {setting_key('cold.owners')}")
+                continue
             failing = self._failing.get(name)
             if failing is not None and time.monotonic() < failing[1]:
                 continue
@@ -109,6 +121,7 @@ class SharedCold:
                         max_payload=self._max_payload,
                         capacity_bytes=settings.cold.capacity_bytes,
                         read_only=True,
+                        seal=self._seal,
                     )
                     with self._lock:
                         self._foreign[name] = tier
@@ -126,6 +139,12 @@ class SharedCold:
         if self._stop.is_set():  # closed meanwhile: close what we opened
             for tier in self.tiers():
                 tier.close()
+
+    def _trusted_host(self, owner: str) -> bool:
+        """Whether ``cold.owners`` lets us read the files of ``owner``
+        (``kv-w0-<host>``, ``kv-mp-<host>``: see ``tier_owner``)."""
+        hosts = self._settings.cold_owners
+        return hosts is None or owner.split("-", 2)[-1] in hosts
 
     def _failed(self, name: str, why: str) -> None:
         """Another host's files would not open or read: a miss, warned once

@@ -65,6 +65,7 @@ from lmcache_tiered.storage.adapter_tier import AdapterTier
 from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.directories import DirectoryHold
 from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.seal import load_seal
 from lmcache_tiered.storage.tier import Allocator, Payload, Tier
 from lmcache_tiered.warmup import CacheView, load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
@@ -155,6 +156,13 @@ class TieredCache:
             ]
             files: dict[TierName, Tier] = {}
             holds = holds or {}
+            seal = (
+                None
+                if settings.cold_auth_key_file is None
+                else load_seal(
+                    settings.cold_auth_key_file, setting_key("cold.auth_key_file")
+                )
+            )
             for name, tier_settings in levels:
                 if tier_settings is None:
                     continue
@@ -165,12 +173,15 @@ class TieredCache:
                     # the cap is for the host: each local worker gets a share
                     capacity_bytes=tier_settings.capacity_bytes // local_workers,
                     held_lock=None if name not in holds else holds[name].adopt,
+                    seal=seal if name == "cold" else None,
                 )
             #: always files: the store asks for its victims, the L2 adapter
             #: for its geometry
             self.warm = files["warm"]
             if settings.cold_adapter is not None:
-                self.tiers["cold"] = AdapterTier(settings, max_payload=max_payload)
+                self.tiers["cold"] = AdapterTier(
+                    settings, max_payload=max_payload, seal=seal
+                )
             for name, tier in self.tiers.items():
                 if not tier.evicts_itself:  # a store's evictions are unseen
                     tier.on_evict = self._evicted_from(name)
@@ -178,7 +189,7 @@ class TieredCache:
             self.policy = self._load_policy()
             # last: its thread must not outlive a constructor that failed
             self.shared = SharedCold(
-                files.get("cold"), settings, max_payload=max_payload
+                files.get("cold"), settings, max_payload=max_payload, seal=seal
             )
         except BaseException:
             for opened in self.tiers.values():

@@ -39,6 +39,33 @@ def parse_paths(key: str, value: Any) -> tuple[str, ...]:
     return paths
 
 
+def list_of(parse: Parser) -> Parser:
+    """A list of values ``parse`` takes (or a comma-separated string), at
+    least one, none twice."""
+
+    def parse_list(key: str, value: Any) -> tuple[Any, ...]:
+        if isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ConfigError(
+                f"{key}: expected a list or a comma-separated string, got {value!r}"
+            )
+        items = tuple(parse(key, item) for item in value)
+        if len(set(items)) != len(items):
+            raise ConfigError(f"{key}: an item is listed twice: {list(items)}")
+        return items
+
+    return parse_list
+
+
+def parse_file(key: str, value: Any) -> str:
+    """A file's path, absolute (the file itself is checked where it is used)."""
+    text = str(value).strip()
+    if not text:
+        raise ConfigError(f"{key}: expected a file's path, got {value!r}")
+    return os.path.abspath(os.path.expanduser(text))
+
+
 def parse_adapter(key: str, value: Any) -> dict[str, Any]:
     """The adapter spec of ``tiered.cold.adapter``: a JSON object (text, or a
     mapping from YAML) with a ``type``; ConfigError otherwise."""

@@ -6,6 +6,7 @@ this table."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ from lmcache_tiered.config.parse import (
     Parser,
     choice,
     in_range,
+    list_of,
     parse_adapter,
     parse_bool,
+    parse_file,
     parse_float,
     parse_fraction,
     parse_host_id,
@@ -107,6 +110,33 @@ SETTINGS: dict[str, Setting] = {
         "(use it for a cold tier that several hosts share)",
         field="cold_write_through",
         convert=lambda mode: mode == "through",
+    ),
+    "cold.auth_key_file": Setting(
+        parse_file,
+        None,
+        "a file holding the fleet's secret (32 random bytes or more, mode 0400, "
+        "the same on every host): every record the cold tier writes carries a "
+        "keyed MAC (BLAKE3) and a cold record without a valid one is a miss "
+        "(docs: Deploy a fleet, Security)",
+        "none",
+        field="cold_auth_key_file",
+    ),
+    "cold.owners": Setting(
+        list_of(parse_host_id),
+        None,
+        "host ids (`host_id`) whose files in a shared cold tier are read; other "
+        "hosts' files are ignored, with one WARNING each",
+        "every host",
+        field="cold_owners",
+    ),
+    "cold.owner_uids": Setting(
+        list_of(in_range(parse_int, 0, 2**32 - 2)),
+        None,
+        "user ids that may own other hosts' files in a shared cold tier; files "
+        "another user owns are ignored, with one WARNING each",
+        "this process's user id",
+        field="cold_owner_uids",
+        convert=lambda uids: frozenset((os.geteuid(),) if uids is None else uids),
     ),
     "host_id": Setting(
         parse_host_id,

@@ -51,6 +51,9 @@ class TierOptions:
     paths_setting: str
     capacity_setting: str
     slot_setting: str
+    #: users that may own another host's files this tier reads (None: any)
+    owner_uids: frozenset[int] | None = None
+    owner_uids_setting: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,14 @@ class TieredConfig:
     fsync: bool = _default("fsync")
     file_mode: int = _default("file_mode")
     cold_write_through: bool = _default("cold.write")
+    #: the fleet secret's file: cold records carry a MAC under it
+    cold_auth_key_file: str | None = _default("cold.auth_key_file")
+    #: host ids whose files in a shared cold tier are read (None: all)
+    cold_owners: tuple[str, ...] | None = _default("cold.owners")
+    #: users that may own other hosts' files in a shared cold tier
+    cold_owner_uids: frozenset[int] = field(
+        default_factory=lambda: _default("cold.owner_uids")
+    )
     #: names this host's files in a cold tier that several hosts share
     host_id: str = field(default_factory=lambda: _default("host_id"))
     admit_after_hits: int = _default("warm.admit_after_hits")
@@ -99,6 +110,8 @@ class TieredConfig:
             paths_setting=f"{PREFIX}{tier.name}.paths",
             capacity_setting=f"{PREFIX}{tier.name}.capacity_gb",
             slot_setting=f"{PREFIX}slot_mb",
+            owner_uids=self.cold_owner_uids if tier.name == "cold" else None,
+            owner_uids_setting=f"{PREFIX}cold.owner_uids",
         )
 
     @staticmethod

@@ -77,6 +77,7 @@ from lmcache_tiered.storage.layout import (
     payload_checksum,
 )
 from lmcache_tiered.storage.payload import Allocator, Payload, payload_view
+from lmcache_tiered.storage.seal import RecordSeal, SealedRecords
 from lmcache_tiered.storage.store_client import (
     HEADER_GROUP,
     PAYLOAD_GROUP,
@@ -106,7 +107,15 @@ class AdapterTier(StorageTier):
     supports_discovery = True
     evicts_itself = True
 
-    def __init__(self, settings: TieredConfig, *, max_payload: int) -> None:
+    def __init__(
+        self,
+        settings: TieredConfig,
+        *,
+        max_payload: int,
+        seal: RecordSeal | None = None,
+    ) -> None:
+        """``seal``: see :class:`lmcache_tiered.storage.tier.Tier`; anyone
+        with access to the store can write objects named by a key's digest."""
         spec = settings.cold_adapter
         assert spec is not None
         self.spec = spec
@@ -126,6 +135,7 @@ class AdapterTier(StorageTier):
         ]
         self._client: StoreClient | None = StoreClient(build_adapter(spec))
         store = f"lmcache_tiered: cold store ({self.engine_name})"
+        self._sealed = None if seal is None else SealedRecords(seal, self.stats, store)
         #: down (degraded: "down since T: why") and back, checked while it
         #: serves too: a store can fail with nobody asking it
         self.health = TierHealth(
@@ -248,7 +258,7 @@ class AdapterTier(StorageTier):
                 continue
             if key_digest(header.key) == digest:  # else a foreign object
                 found.append(header)
-        self._remember(found)
+        self._remember(found if self._sealed is None else self._sealed.sealed(found))
 
     # ------------------------------------------------------------------ reads
 
@@ -311,12 +321,17 @@ class AdapterTier(StorageTier):
             header = headers[i]
             assert header is not None
             view = buffer.numpy().data.cast("B")
-            if good and header.payload_matches(view):
+            sealed = self._sealed
+            if good and (
+                header.payload_matches(view)
+                if sealed is None
+                else sealed.passes(header, view)
+            ):
                 out[i] = view
                 self.stats.hits += 1
                 self.stats.bytes_read += header.payload_size
                 continue
-            if good:
+            if good and sealed is None:
                 self.stats.corrupt += 1
             self.stats.misses += 1
             lost.append(keys[i])
@@ -343,16 +358,12 @@ class AdapterTier(StorageTier):
         todo = [i for i in todo if i not in big]
         if not todo:
             return stored
+        sealed = self._sealed
         headers = [
-            RecordHeader(
-                key=payloads[i].key,
-                shape=payloads[i].shape,
-                dtype=payloads[i].dtype,
-                fmt=payloads[i].fmt,
-                payload_size=len(payloads[i].view),
-                payload_crc=payload_checksum(payloads[i].view),
-                sequence=0,
-                created_ns=time.time_ns(),
+            payloads[i].header(
+                payload_checksum(payloads[i].view),
+                0,
+                b"" if sealed is None else sealed.sign(payloads[i]),
             )
             for i in todo
         ]

@@ -14,7 +14,8 @@ import os
 from collections.abc import Sequence
 
 from lmcache_tiered.storage.layout import TierNames, read_superblock
-from lmcache_tiered.storage.tierfiles import open_tier_file, take_lock
+from lmcache_tiered.storage.ownership import take_lock
+from lmcache_tiered.storage.tierfiles import open_tier_file
 
 
 def recorded_max_payload(paths: Sequence[str], owner: str) -> int | None:

@@ -20,6 +20,22 @@ class NotRegularFile(OSError):
     """A name that should be a data file is something else (FIFO, device...)."""
 
 
+class UntrustedOwner(OSError):
+    """Another host's file is owned by a user this host does not trust."""
+
+
+def check_owner_trusted(fd: int, name: str, uids: frozenset[int] | None) -> None:
+    """UntrustedOwner unless the file ``fd`` (``name``) is owned by one of
+    ``uids`` (None: any user): in a directory a group shares, another member
+    can plant files under a host's names."""
+    uid = os.fstat(fd).st_uid
+    if uids is not None and uid not in uids:
+        trusted = ", ".join(str(u) for u in sorted(uids))
+        raise UntrustedOwner(
+            f"{name} is owned by uid {uid}, not by a trusted user ({trusted})"
+        )
+
+
 def file_kind(mode: int) -> str:
     """What ``st_mode`` says a file is, in words."""
     kinds = (

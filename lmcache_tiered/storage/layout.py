@@ -18,9 +18,11 @@ and its own CRC32: a record whose write did not finish is never served.
 
 Record versions: 2 checksums the payload with CRC32C (the ``crc32c`` package:
 SSE4.2 or ARMv8 CRC instructions, chosen at run time, no wide-vector code; the
-GIL released), 1 with zlib's CRC32, several times slower per core. Version 1
-records are still read and checked with CRC32; any other version is a miss.
-The superblock's format did not change (version 1).
+GIL released), 1 with zlib's CRC32, several times slower per core. Version 3
+is version 2 with a keyed MAC after the key (:data:`MAC_SIZE` bytes, see
+:mod:`lmcache_tiered.storage.seal`), written by a tier under a fleet secret.
+Version 1 records are still read and checked with CRC32; any other version is
+a miss. The superblock's format did not change (version 1).
 """
 
 from __future__ import annotations
@@ -52,10 +54,21 @@ HEADER_SIZE = ALIGN
 SCAN_BYTES = 4 << 20
 #: Version of the records written now; see the module docstring.
 FORMAT_VERSION = 2
+#: Version of the records a tier under a fleet secret writes: a MAC as well.
+SEALED_VERSION = 3
+#: Bytes of a sealed record's MAC.
+MAC_SIZE = 32
+
+
+def _crc32c(view: memoryview, value: int) -> int:
+    return int(crc32c.crc32c(view, value, gil_release_mode=1))
+
+
 #: Record versions this code reads, and the payload checksum of each.
-_PAYLOAD_CHECKSUMS = {
+_PAYLOAD_CHECKSUMS: dict[int, Callable[[memoryview, int], int]] = {
     1: zlib.crc32,
-    2: lambda view, value: crc32c.crc32c(view, value, gil_release_mode=1),
+    2: _crc32c,
+    SEALED_VERSION: _crc32c,
 }
 #: The superblock's own layout version (unchanged by record version 2).
 SUPER_VERSION = 1
@@ -84,7 +97,11 @@ _DTYPES: dict[str, torch.dtype] = {
 
 # magic, version, fmt, payload size, payload crc, sequence, time (ns), digest,
 # ndim, dtype length, key length
+# (a sealed record's MAC follows the key)
 _RECORD = struct.Struct(f"<8sHHQIQQ{DIGEST_SIZE}sBBH")
+# what a MAC covers besides the payload: digest, format, payload size, ndim,
+# dtype length (then the dimensions and the dtype's name)
+_IDENTITY = struct.Struct(f"<{DIGEST_SIZE}sHQBB")
 # magic, version, devices, stripe, per-device slot bytes, max payload bytes
 _SUPER = struct.Struct("<8sHHQQQ")
 _CRC = struct.Struct("<I")
@@ -120,6 +137,16 @@ class RecordHeader:
     created_ns: int
     #: Record version: decides how ``payload_crc`` was computed.
     version: int = FORMAT_VERSION
+    #: keyed MAC of :meth:`identity` and the payload (version 3), else empty
+    mac: bytes = b""
+
+    def identity(self) -> bytes:
+        """What this record is (key, format, size, shape, dtype), as the bytes
+        a MAC covers before the payload; the sequence and time are left out:
+        two records of one key hold the same KV."""
+        return record_identity(
+            self.key, self.shape, self.dtype, self.fmt, self.payload_size
+        )
 
     def payload_matches(self, view: memoryview) -> bool:
         """Whether ``view`` (the payload as read) has the recorded checksum."""
@@ -142,11 +169,16 @@ class RecordHeader:
             len(dtype_name),
             len(key_bytes),
         )
+        if (self.version == SEALED_VERSION) != (len(self.mac) == MAC_SIZE):
+            raise ValueError(
+                f"record version {self.version} with a {len(self.mac)} B MAC"
+            )
         body = (
             fixed
             + struct.pack(f"<{len(self.shape)}Q", *self.shape)
             + dtype_name
             + key_bytes
+            + self.mac
         )
         if len(body) + _CRC.size > HEADER_SIZE:
             raise ValueError(f"key too long for a record header: {len(key_bytes)} B")
@@ -167,7 +199,8 @@ class RecordHeader:
         )
         if version not in _PAYLOAD_CHECKSUMS:
             raise CorruptRecord(f"record format version {version}")
-        end = _RECORD.size + 8 * ndim + dlen + klen
+        key_end = _RECORD.size + 8 * ndim + dlen + klen
+        end = key_end + (MAC_SIZE if version == SEALED_VERSION else 0)
         if ndim > MAX_DIMS or end + _CRC.size > HEADER_SIZE:
             raise CorruptRecord("header fields out of range")
         (stored_crc,) = _CRC.unpack_from(block, end)
@@ -187,7 +220,7 @@ class RecordHeader:
         ):
             raise CorruptRecord("payload size does not match shape or slot")
         try:
-            key = key_from_string(block[offset + dlen : end].decode())
+            key = key_from_string(block[offset + dlen : key_end].decode())
             memory_format = MemoryFormat(fmt)
         except (ValueError, KeyError, UnicodeDecodeError) as exc:
             raise CorruptRecord(f"bad key or format: {exc}") from None
@@ -195,8 +228,30 @@ class RecordHeader:
             raise CorruptRecord("key digest mismatch")
         shape = torch.Size(dims)
         return RecordHeader(
-            key, shape, dtype, memory_format, size, crc, seq, created, version
+            key,
+            shape,
+            dtype,
+            memory_format,
+            size,
+            crc,
+            seq,
+            created,
+            version,
+            block[key_end:end],
         )
+
+
+def record_identity(
+    key: StoreKey, shape: torch.Size, dtype: torch.dtype, fmt: MemoryFormat, size: int
+) -> bytes:
+    """The bytes that say what a record is (see :meth:`RecordHeader.identity`);
+    fixed-size fields first, so no two records' identities run into each other."""
+    dtype_name = str(dtype).removeprefix("torch.").encode()
+    return (
+        _IDENTITY.pack(key_digest(key), fmt.value, size, len(shape), len(dtype_name))
+        + struct.pack(f"<{len(shape)}Q", *shape)
+        + dtype_name
+    )
 
 
 def decode_header_blocks(

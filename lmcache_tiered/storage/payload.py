@@ -17,7 +17,12 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from lmcache_tiered.io.base import ALIGN
 from lmcache_tiered.keys import StoreKey
-from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.layout import (
+    FORMAT_VERSION,
+    SEALED_VERSION,
+    RecordHeader,
+    record_identity,
+)
 
 #: Allocates the MemoryObj a record is read into; None when memory is short.
 Allocator = Callable[[RecordHeader], MemoryObj | None]
@@ -48,8 +53,15 @@ class Payload:
             obj.data_ptr % ALIGN == 0,
         )
 
-    def header(self, crc: int, sequence: int) -> RecordHeader:
-        """The header that makes this payload, checksummed ``crc``, visible."""
+    def identity(self) -> bytes:
+        """What its record will be, as a MAC covers it (RecordHeader.identity)."""
+        return record_identity(
+            self.key, self.shape, self.dtype, self.fmt, len(self.view)
+        )
+
+    def header(self, crc: int, sequence: int, mac: bytes = b"") -> RecordHeader:
+        """The header that makes this payload, checksummed ``crc`` (and
+        sealed with ``mac``, if given), visible."""
         return RecordHeader(
             key=self.key,
             shape=self.shape,
@@ -59,6 +71,8 @@ class Payload:
             payload_crc=crc,
             sequence=sequence,
             created_ns=time.time_ns(),
+            version=SEALED_VERSION if mac else FORMAT_VERSION,
+            mac=mac,
         )
 
     @staticmethod

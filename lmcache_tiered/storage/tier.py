@@ -45,6 +45,7 @@ from lmcache_tiered.storage.layout import (
     align_up,
 )
 from lmcache_tiered.storage.payload import Allocator, Payload, payload_view
+from lmcache_tiered.storage.seal import RecordSeal, SealedRecords
 from lmcache_tiered.storage.tier_writes import TierWrites
 from lmcache_tiered.storage.tierfiles import TierFileSet, Transfer, plan_transfer
 
@@ -67,6 +68,10 @@ class Tier(TierWrites, StorageTier):
     ``held_lock`` hands over the owner's lock file, already locked by this
     process (:class:`lmcache_tiered.storage.directories.DirectoryHold`).
 
+    ``seal``: the fleet secret's (:mod:`lmcache_tiered.storage.seal`): every
+    record written carries a MAC, and a record without a valid one is never
+    served (dropped at load, refused at read, whatever ``verify_reads`` says).
+
     ``read_only``: another process's files, seen through a shared file
     system: never written, locked or formatted here; every read is
     CRC-checked, since the owner may be rewriting a slot meanwhile (see
@@ -82,6 +87,7 @@ class Tier(TierWrites, StorageTier):
         capacity_bytes: int,
         read_only: bool = False,
         held_lock: Callable[[], int] | None = None,
+        seal: RecordSeal | None = None,
     ) -> None:
         self.name = options.name
         self.owner = owner
@@ -106,6 +112,8 @@ class Tier(TierWrites, StorageTier):
         #: what is stored where; read or change it only under the tier's lock
         self.index = SlotIndex(self._capacity_slots)
         names = TierNames(options.paths, owner)
+        where = f"tier {self.name} ({names.header})"
+        self.sealed = None if seal is None else SealedRecords(seal, self.stats, where)
         self.files = TierFileSet(
             options, names, self.geometry, self.stats, read_only=read_only
         )
@@ -115,17 +123,18 @@ class Tier(TierWrites, StorageTier):
             self.stats,
             missing=self.files.missing,
             recover=self._recover,
+            watch=None if read_only else self._renew_lease,
         )
         #: the index is not loaded (start-up found the files unreadable):
         #: recovery loads it before the tier serves
         self._unloaded = False
-        self.files.open(held_lock)
         try:
-            if (why := self._load()) is not None:
+            self.files.open(held_lock)
+            if (why := self._claim() or self._load()) is not None:
                 self._unloaded = True
                 self.health.degrade(why)
         except BaseException:
-            self.files.close()
+            self.close()  # its prober, and any files it opened
             raise
 
     # ---------------------------------------------------------- what it is
@@ -380,8 +389,13 @@ class Tier(TierWrites, StorageTier):
             return self.health.damaged(header, "is cut short on disk (truncated file)")
         for bounce, start, length in transfer.bounces:
             view[start : start + length] = bounce[:length]
-        check = self.verify_reads or self.read_only or not entry.verified
-        if check and not header.payload_matches(view[: header.payload_size]):
+        payload = view[: header.payload_size]
+        if self.sealed is not None:
+            if not self.sealed.passes(header, payload):
+                return False
+        elif (
+            self.verify_reads or self.read_only or not entry.verified
+        ) and not header.payload_matches(payload):
             return self.health.damaged(header, "failed its checksum")
         entry.verified = True
         return True
@@ -409,8 +423,11 @@ class Tier(TierWrites, StorageTier):
         loaded = self.files.load(self.index.max_slots)
         if isinstance(loaded, str):
             return loaded
+        records, slots = loaded
+        if self.sealed is not None:
+            records = self.sealed.sealed(records)
         with self._lock:
-            self.index.load(*loaded)
+            self.index.load(records, slots)
         return None
 
     def _recover(self) -> str | None:
@@ -422,6 +439,9 @@ class Tier(TierWrites, StorageTier):
         removed) are opened afresh, once no operation still uses the old ones.
         """
         if self.files.missing() is None:
+            if (why := self._claim()) is not None:
+                logger.debug("tier %s: still not ours: %s", self.name, why)
+                return None
             if self._unloaded:
                 if (why := self._load()) is not None:
                     logger.debug("tier %s: still unreadable: %s", self.name, why)
@@ -439,7 +459,7 @@ class Tier(TierWrites, StorageTier):
             self.index.max_slots = self._capacity_slots
             self.files.open()
             try:
-                why = self._load()
+                why = self._claim() or self._load()
             except BaseException:
                 self.files.close()
                 raise
@@ -452,6 +472,23 @@ class Tier(TierWrites, StorageTier):
         with self._lock:
             self.index.forget_checks()
         return how
+
+    def _claim(self) -> str | None:
+        """Make the files ours (see :mod:`lmcache_tiered.storage.ownership`);
+        why not, while another writer's record stands."""
+        lease = self.files.lease
+        if lease is None:
+            return None
+        if (other := lease.rival()) is not None:
+            return lease.conflict(other)
+        lease.claim()
+        return None
+
+    def _renew_lease(self) -> None:
+        """The prober's heartbeat, every period while the tier is healthy."""
+        lease = self.files.lease
+        if lease is not None and (other := lease.renew()) is not None:
+            self._lost_files(other)
 
     def refresh(self) -> None:
         """Re-read a read-only tier's headers: what its owner stored since."""

@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
+from itertools import repeat
 
 from lmcache.v1.memory_management import MemoryObj
 
@@ -25,7 +26,9 @@ from lmcache_tiered.storage.checks import VERIFIERS
 from lmcache_tiered.storage.health import TierHealth
 from lmcache_tiered.storage.index import Entry, SlotIndex
 from lmcache_tiered.storage.layout import HEADER_SIZE, Geometry, payload_checksum
+from lmcache_tiered.storage.ownership import OwnerRecord
 from lmcache_tiered.storage.payload import Payload
+from lmcache_tiered.storage.seal import SealedRecords
 from lmcache_tiered.storage.tierfiles import TierFileSet, Transfer, plan_transfer
 
 logger = logging.getLogger("lmcache_tiered")
@@ -49,6 +52,9 @@ class TierWrites:
     on_evict: Callable[[list[StoreKey]], None] | None
     _lock: threading.Lock
     _slot_setting: str
+    sealed: SealedRecords | None
+    #: the index must be loaded from the files before the tier serves again
+    _unloaded: bool
 
     def write(self, items: Sequence[tuple[StoreKey, MemoryObj]]) -> list[bool]:
         """Store LMCache MemoryObjs; see :meth:`write_payloads`."""
@@ -84,6 +90,11 @@ class TierWrites:
     ) -> list[bool]:
         """Whether each payload is stored."""
         stored = [False] * len(payloads)
+        lease = self.files.lease
+        if lease is not None and (other := lease.taken_by()) is not None:
+            self._lost_files(other)
+            self.stats.puts_dropped += len(payloads)
+            return stored
         # heads get the higher sequence numbers: a restart, which orders the
         # index by sequence, keeps them more recent than their tails
         with self._lock:
@@ -142,6 +153,13 @@ class TierWrites:
             stored[i] = stored[first]
         return stored
 
+    def _lost_files(self, other: OwnerRecord) -> None:
+        """Another writer's record replaced ours: stop writing (degraded), and
+        read the files afresh once they are ours again."""
+        assert self.files.lease is not None
+        self._unloaded = True
+        self.health.degrade(self.files.lease.conflict(other))
+
     def _write_taken(
         self,
         stored: list[bool],
@@ -154,11 +172,17 @@ class TierWrites:
             return stored
         requests = [r for _, _, _, t in taken for r in t.requests]
         writing = self.files.submit(requests, write=True)
-        # checksums on the verifier threads while the payloads are in flight
-        checksums = VERIFIERS.map(payload_checksum, [p.view for _, _, p, _ in taken])
+        # checksums (and MACs) on the verifier threads while the payloads are
+        # in flight
+        payloads = [p for _, _, p, _ in taken]
+        checksums = VERIFIERS.map(payload_checksum, [p.view for p in payloads])
+        sealed = self.sealed
+        macs = repeat(b"") if sealed is None else VERIFIERS.map(sealed.sign, payloads)
         planned = [
-            (i, Entry(slot, payload.header(crc, last_sequence - i)), t)
-            for (i, slot, payload, t), crc in zip(taken, checksums, strict=True)
+            (i, Entry(slot, payload.header(crc, last_sequence - i, mac)), t)
+            for (i, slot, payload, t), crc, mac in zip(
+                taken, checksums, macs, strict=False
+            )
         ]
         payload_ok = self._finish_writes(requests, writing, planned)
         headers = []

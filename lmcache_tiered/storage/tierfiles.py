@@ -26,9 +26,9 @@ from lmcache_tiered.io.base import ALIGN, IORequest
 from lmcache_tiered.metrics import TierStats
 from lmcache_tiered.storage.files import (
     NotRegularFile,
-    lock_holder,
+    UntrustedOwner,
+    check_owner_trusted,
     open_regular,
-    try_lock,
 )
 from lmcache_tiered.storage.filesystems import exposure_warning, shared_file_systems
 from lmcache_tiered.storage.layout import (
@@ -43,6 +43,7 @@ from lmcache_tiered.storage.layout import (
     newest,
     scan_headers,
 )
+from lmcache_tiered.storage.ownership import OwnerLease, take_lock
 
 logger = logging.getLogger("lmcache_tiered")
 #: Logged where a tier's directories share a file system (a caller that
@@ -141,20 +142,6 @@ def _why_not_opened(name: str, exc: OSError) -> str:
     return f"cannot open {name}: {exc.strerror}"
 
 
-def take_lock(fd: int, setting: str, name: str, what: str = "is held") -> None:
-    """flock ``fd`` (the file ``name``, under ``setting``) for this process;
-    a ConfigError naming the holder if another process has it."""
-    if try_lock(fd):
-        return
-    holder = lock_holder(fd)
-    by = "another live process" if holder is None else f"live process {holder}"
-    raise ConfigError(
-        f"{setting}: {name} {what} by {by}; give each LMCache instance its own "
-        "directories (a directory can be reached by several names: symbolic "
-        "links, bind mounts)"
-    )
-
-
 class TierFileSet:
     """The slab per device and the header file (the last of :attr:`names`)
     of one owner, with the engine that moves their bytes.
@@ -184,6 +171,8 @@ class TierFileSet:
         self._lock_name = names.lock
         self.fds: list[int] = []
         self._lock_fds: list[int] = []
+        #: our claim in the lock file (writable files only)
+        self.lease: OwnerLease | None = None
         self.engine: IOEngine
         name = options.name
         for path in options.paths:
@@ -250,6 +239,7 @@ class TierFileSet:
             raise
         self._lock_fds = lock_fds
         self.fds, self.engine = fds, engine
+        self.lease = OwnerLease(lock_fds[0], self._lock_name)
 
     def _take_lock(self, fd: int, name: str, what: str) -> None:
         """flock ``fd`` for this process; ConfigError if another holds it."""
@@ -278,14 +268,20 @@ class TierFileSet:
         try:
             if data:
                 self._set_direct(fd, name)
-                if not self.read_only:
-                    self._check_owner(fd, name)
+                self._check_owner(fd, name)
         except BaseException:
             os.close(fd)
             raise
         return fd
 
     def _check_owner(self, fd: int, name: str) -> None:
+        """Another host's file: owned by a trusted user (ConfigError); ours:
+        warned about if another user owns it, else given the configured mode."""
+        if self.read_only:
+            try:
+                return check_owner_trusted(fd, name, self.options.owner_uids)
+            except UntrustedOwner as exc:
+                raise ConfigError(f"{exc}; {self.options.owner_uids_setting}") from None
         info = os.fstat(fd)
         if info.st_uid != os.geteuid():
             logger.warning(
@@ -321,6 +317,7 @@ class TierFileSet:
         if not self.fds:
             return
         fds, self.fds, self._lock_fds = [*self.fds, *self._lock_fds], [], []
+        self.lease = None
         try:
             self.engine.close()
         finally:
