@@ -308,3 +308,56 @@ def test_the_server_starts_from_a_thread_running_an_event_loop(
     finally:
         server.close()
     assert recorder.hints == [([3, 1], None)]
+
+
+def test_a_request_must_arrive_whole_in_time(recorder: Recorder) -> None:
+    """A connection that sends nothing, half a head or half a body within
+    the read timeout is closed unanswered; the server serves on."""
+    server = HintServer(on_hint=recorder, timeout_s=0.3)
+    head = b"POST /hint HTTP/1.1\r\nHost: x\r\n"
+    try:
+        for sent in (b"", head, head + b"Content-Length: 9\r\n\r\n{"):
+            start = time.monotonic()
+            assert _raw_request(server.url, sent) == b""
+            assert time.monotonic() - start < 3  # closed by the server
+        assert send_hint(server.url, [1])
+    finally:
+        server.close()
+    assert recorder.hints == [([1], None)]
+
+
+def test_a_newcomer_closes_the_idle_connection_or_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every connection open, a newcomer closes the longest idle one;
+    while they are all sending requests, it is refused (503, counted)."""
+    monkeypatch.setattr(hints, "REPLY_WAIT_S", 10.0)
+    release = threading.Event()
+    got: list[list[int]] = []
+
+    def held(token_ids: list[int], *, deadline_s: float | None) -> None:
+        got.append(token_ids)
+        release.wait(10)
+
+    server = HintServer(on_hint=held, max_connections=1)
+    try:
+        host, port = server.url.split("/")[2].split(":")
+        body = b'{"token_ids": [1]}'
+        with socket.create_connection((host, int(port)), timeout=10) as busy:
+            busy.sendall(
+                b"POST /hint HTTP/1.1\r\nHost: x\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            wait_until(lambda: got == [[1]])  # its request waits for the callback
+            assert _raw_request(server.url, b"").startswith(b"HTTP/1.1 503")
+            assert server.dropped == 1
+            release.set()
+            assert busy.recv(4096).startswith(b"HTTP/1.1 204")  # now idle
+            assert send_hint(server.url, [2], timeout=5)
+            assert busy.recv(4096) == b""  # closed for the newcomer
+        assert server.evicted == 1
+    finally:
+        release.set()
+        server.close()
+    assert got == [[1], [2]]
