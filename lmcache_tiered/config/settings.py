@@ -214,9 +214,9 @@ SETTINGS: dict[str, Setting] = {
     "file_mode": Setting(
         parse_mode,
         0o600,
-        "permission bits of data files (0660 for a cold tier shared by a group); "
-        'the owner must keep read and write; quote it in YAML (`"0660"`: a bare '
-        "`660` is a decimal number)",
+        "permission bits of data files (0640 for a cold tier shared by a group: "
+        "readers need only read); the owner must keep read and write; quote it in "
+        'YAML (`"0640"`: a bare `640` is a decimal number)',
         "0600",
         field="file_mode",
     ),
