@@ -22,7 +22,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 
 from lmcache_tiered import cli, testing
-from lmcache_tiered.bench.common import plot, report, trace
+from lmcache_tiered.bench.common import plot, report, rules, trace
 from lmcache_tiered.bench.common.trace import BLOCK_TOKENS, Request
 from lmcache_tiered.bench.disk import diskbench
 from lmcache_tiered.bench.model import command, presets, rounds, scenario, variants
@@ -1532,3 +1532,47 @@ def test_the_table_gives_what_warm_up_wasted_and_kept_off_the_drives() -> None:
     rows = report.table(summaries, "none").splitlines()
     assert "GB waste/kept off" in rows[0]
     assert "2.00/5.00" in rows[-1].split() and "-" in rows[-2].split()
+
+
+def test_an_admit_variant_runs_its_policy_with_read_time_admission(
+    tmp_path: Path,
+) -> None:
+    """NAME+admit is NAME with tiered.recompute_tokens_per_s at the run's
+    prefill rate (the profile's, for the median prompt); its summary says
+    what the rule did, and NAME's says nothing."""
+    assert variants.policy_of("hinted+admit#2") == "hinted"
+    assert variants.base_of("hinted+admit#2") == "hinted+admit"
+    assert variants.admits("none+admit") and not variants.admits("none#2")
+    args = bench_args(
+        tmp_path, session_trace(tmp_path), "--hot-gb", "0.05", "--restart"
+    )
+    requests = scenario.load_requests(args)
+    setup = scenario.make_setup(args, requests)
+    median = sorted(r.input_length for r in requests)[1]
+    assert setup.recompute_tokens_per_s == pytest.approx(
+        median / setup.profile.prefill_s(median, 0)
+    )
+    dirs = variants.VariantDirs.create(setup, "none+admit")
+    try:
+        extra = variants.engine_config("none+admit", setup, dirs).extra_config
+        plain = variants.engine_config("none", setup, dirs).extra_config
+    finally:
+        dirs.remove()
+    assert extra["tiered.recompute_tokens_per_s"] == setup.recompute_tokens_per_s
+    assert "tiered.recompute_tokens_per_s" not in plain
+    admitted = report.summarize(run(args, "none+admit"))
+    assert admitted["admission"]["lookups_judged"] >= 3  # A, B and C found chunks
+    assert report.summarize(run(args, "none"))["admission"] is None
+    (line,) = rules.admission_lines({"none+admit": admitted, "none": {}})
+    assert line.startswith("none+admit: read-time admission shortened ")
+
+
+def test_slow_cold_preset_is_fleet_behind_a_slower_link_with_the_rule() -> None:
+    args = cli.parse_args(["bench", "--preset", "slow-cold"])
+    presets.apply(args.preset, args, args.preset_defaults, cli_bench.PRESET_PARSE)
+    assert (args.workload, args.restart, args.warm_gb) == ("agent", True, 1.2)
+    assert args.cold_link == DeviceSpec(0.5, 0.0003)
+    assert args.policies == "none,none+admit,none"
+    fleet = cli.parse_args(["bench", "--preset", "fleet"])
+    presets.apply(fleet.preset, fleet, fleet.preset_defaults, cli_bench.PRESET_PARSE)
+    assert args.cold_link.gbps < fleet.cold_link.gbps

@@ -151,7 +151,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"ones (default: {','.join(DEFAULT_POLICIES)}: no warm-up and the "
         "arrival-hint policy, so the default run is one round of --jobs); a "
         "name given twice runs twice, as NAME#2: 'none,none' measures the "
-        "run-to-run noise",
+        "run-to-run noise; NAME+admit runs NAME with read-time admission on "
+        "(tiered.recompute_tokens_per_s at the profile's prefill rate)",
     )
     tiers.add_argument(
         "--no-baseline",

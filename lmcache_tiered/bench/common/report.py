@@ -34,6 +34,10 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
   were) that a retrieve then took, which a drive would otherwise have read
   on the engine's path (production GB are these times ``kv_scale``). Null
   where nothing was planned.
+- ``admission``: what read-time admission did (``NAME+admit`` variants;
+  null without it): lookups judged and shortened, tokens sent to recompute,
+  and the share of admitted reads whose delivery estimate came within 25 %
+  of the time the read took (``estimates_good``, of ``estimates_checked``).
 - ``backend_metrics``: the plugin's own ``metrics_snapshot()``.
 - ``lag_max_s``: how far the replay fell behind its modelled GPU at worst
   (the loop woke late, e.g. on a busy machine); ``lag_share``: that as a
@@ -57,6 +61,8 @@ from typing import Any
 from rich import box
 from rich.console import Console
 from rich.table import Table
+
+from lmcache_tiered.bench.common import rules
 
 #: Where a prompt chunk can come from: vLLM's GPU prefix cache, then LMCache.
 TIERS = ("gpu", "hot", "warm", "cold")
@@ -160,22 +166,11 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "warmup_precision": result.warmup_precision,
         "warmup_timeliness": result.warmup_timeliness,
         "warmup_held_back": result.warmup_held_back,
-        **_warmup_bytes(result.backend_metrics.get("warmup") or {}),
+        **rules.warmup_bytes(result.backend_metrics.get("warmup") or {}),
+        "admission": rules.admission(result.backend_metrics.get("admission") or {}),
         "backend_metrics": result.backend_metrics,
         "wall_s": result.wall_s,
         **run_validity(result),
-    }
-
-
-def _warmup_bytes(warmup: Mapping[str, Any]) -> dict[str, float | None]:
-    """GB the warm-up wasted and kept off the drives (None without plans)."""
-    planned = bool(warmup.get("plans"))
-    return {
-        "warmup_wasted_gb": warmup["bytes_wasted"] / 1e9 if planned else None,
-        "warmup_kept_off_gb": (warmup["bytes_used"] + warmup["bytes_used_in_place"])
-        / 1e9
-        if planned
-        else None,
     }
 
 
@@ -227,10 +222,13 @@ def combine(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _median_tree(values: Sequence[Any]) -> Any:
-    if isinstance(values[0], Mapping):
-        return {key: _median_tree([v[key] for v in values]) for key in values[0]}
-    numbers = [v for v in values if v is not None]
-    return percentile(numbers, 50) if numbers else None
+    """The median of each number in a tree of mappings (None: no run had it)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if isinstance(present[0], Mapping):
+        return {key: _median_tree([v[key] for v in present]) for key in present[0]}
+    return percentile(present, 50)
 
 
 def _waste_kept(summary: Mapping[str, Any]) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from lmcache_tiered.bench.common import plot, report, trace
+from lmcache_tiered.bench.common import plot, report, rules, trace
 from lmcache_tiered.bench.common.args import split_list
 from lmcache_tiered.bench.common.report import RunResult, ttfts
 from lmcache_tiered.bench.model import presets, rounds
@@ -32,7 +32,7 @@ from lmcache_tiered.bench.model.scenario import (
     load_requests,
     make_setup,
 )
-from lmcache_tiered.bench.model.variants import TWIN_MARK, number_twins, policy_of
+from lmcache_tiered.bench.model.variants import TWIN_MARK, base_of, number_twins
 from lmcache_tiered.warmup import installed_policies
 
 
@@ -179,9 +179,7 @@ def report_concurrency(
         for name, results in runs.items()
     }
     # a twin (none#2) is the noise, not a contender
-    contenders = [
-        n for n in summaries if policy_of(n) in policies and TWIN_MARK not in n
-    ]
+    contenders = [n for n in summaries if base_of(n) in policies and TWIN_MARK not in n]
     contenders = [n for n in contenders if n not in BASELINES]
     shares = report.bound_shares(summaries, [*contenders, LOCAL_DISK], "none", ALL_HOT)
     for name, share in shares.items():
@@ -193,6 +191,8 @@ def report_concurrency(
     )
     if line is not None:
         print(line)
+    for admission in rules.admission_lines(summaries):
+        print(admission)
     if repeat > 1:
         print(f"(medians of {repeat} interleaved runs per variant)")
         changes = report.paired_changes(summaries)
@@ -201,7 +201,7 @@ def report_concurrency(
             print(report.spread_table(changes))
             for name, change in changes.items():
                 summaries[name]["paired_change_vs_none"] = change
-            twins = [name for name in changes if policy_of(name) == "none"]
+            twins = [name for name in changes if base_of(name) == "none"]
             if twins:
                 print(
                     f"({', '.join(twins)}: none again, so its change is this "

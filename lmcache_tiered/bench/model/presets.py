@@ -8,6 +8,11 @@ NVMe holding a quarter of it (``--warm-gb`` 1.2 GiB of the 4.8 GiB at F =
 default link (one 25 GbE path: 2.8 GB/s + 0.3 ms, see
 :data:`lmcache_tiered.bench.model.options.DEFAULT_COLD_LINK`).
 
+``slow-cold`` is ``fleet`` behind a cold link a fifth as fast, where
+reading a cold hit can take longer than the GPU recomputing it: the case for
+read-time admission (issue 49), whose variants (``NAME+admit``) recompute at
+the profile's prefill rate of the workload's median prompt.
+
 ``boundary`` is the vendor report's benefit boundary, where warm-up must
 cost nothing measurable: the ``one-shot`` workload, random one-shot access
 over a pool of documents a little larger than vLLM's HBM cache (20 % prefix
@@ -90,6 +95,21 @@ PRESETS: dict[str, Preset] = {
             "rest in the fleet's NVMe-oF cold tier behind one 25 GbE path"
         ),
         settings={"workload": "agent", "restart": True, "warm_gb": 1.2},
+    ),
+    "slow-cold": Preset(
+        description=(
+            "the fleet's returning agent sessions behind a slow, shared cold "
+            "link (0.5 GB/s + 0.3 ms: one NVMe-oF path the fleet congests), "
+            "where a cold hit can be slower than recomputing it: none, then "
+            "none with read-time admission (none+admit), then none again"
+        ),
+        settings={
+            "workload": "agent",
+            "restart": True,
+            "warm_gb": 1.2,
+            "cold_link": "0.5,0.3",
+            "policies": "none,none+admit,none",
+        },
     ),
     "boundary": Preset(
         description=(

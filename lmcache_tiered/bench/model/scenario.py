@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -83,6 +84,9 @@ class Setup:
     #: ``--restart``: each variant with an engine starts with every distinct
     #: prompt on its drives and nothing in memory
     restart: bool = False
+    #: the rate admission variants (``NAME+admit``) recompute at: the
+    #: profile's prefill of the workload's median prompt, from scratch
+    recompute_tokens_per_s: float = 0.0
 
     @property
     def prefetch_road(self) -> bool:
@@ -226,7 +230,16 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         cold_adapter=args.cold_adapter,
         loading=args.loading,
         restart=args.restart,
+        recompute_tokens_per_s=prefill_rate(profile, requests),
     )
+
+
+def prefill_rate(profile: Profile, requests: Sequence[trace.Request]) -> float:
+    """Tokens a second the profile prefills the workload's median prompt at,
+    from scratch (what a user measures for ``tiered.recompute_tokens_per_s``:
+    docs/warmup.md); longer prompts are slower per token (attention)."""
+    median = int(statistics.median(r.input_length for r in requests))
+    return median / profile.prefill_s(median, 0)
 
 
 def gpu_kv_tokens(profile: Profile, gb: float | None) -> int:

@@ -29,7 +29,7 @@ from typing import Any
 from lmcache.v1.config import LMCacheEngineConfig
 
 from lmcache_tiered import testing
-from lmcache_tiered.bench.common import trace
+from lmcache_tiered.bench.common import rules, trace
 from lmcache_tiered.bench.common.progress import (
     Progress,
     ProgressSink,
@@ -97,10 +97,25 @@ class VariantDirs:
             shutil.rmtree(path, ignore_errors=True)
 
 
+#: A policy named with this suffix (``none+admit``) runs with read-time
+#: admission on: ``tiered.recompute_tokens_per_s`` at the run's prefill rate.
+ADMIT_MARK = "+admit"
+
+
+def base_of(variant: str) -> str:
+    """A variant's name less any twin number (``none+admit#2``: ``none+admit``)."""
+    return variant.partition(TWIN_MARK)[0]
+
+
 def policy_of(variant: str) -> str:
     """The policy (or the stock baseline) a variant runs: its name, less any
-    twin number."""
-    return variant.partition(TWIN_MARK)[0]
+    twin number and admission mark."""
+    return base_of(variant).removesuffix(ADMIT_MARK)
+
+
+def admits(variant: str) -> bool:
+    """Whether the variant runs with read-time admission on."""
+    return base_of(variant).endswith(ADMIT_MARK)
 
 
 def number_twins(variants: Sequence[str]) -> list[str]:
@@ -146,6 +161,8 @@ def engine_config(name: str, setup: Setup, dirs: VariantDirs) -> LMCacheEngineCo
         extra["tiered.cold.capacity_gb"] = setup.cold_gb
     if setup.cold_adapter is not None:
         extra["tiered.cold.adapter"] = dict(setup.cold_adapter)
+    if admits(name):
+        extra["tiered.recompute_tokens_per_s"] = setup.recompute_tokens_per_s
     return testing.build_config(
         **memory, extra_config=extra, storage_plugins=["tiered"]
     )
@@ -230,24 +247,6 @@ def build_variant(name: str, setup: Setup, dirs: VariantDirs) -> Built:
                 devices[tier_name] = device
                 model_tier(tier, device)
     return Built(engine, backend, devices)
-
-
-def warmup_quality(
-    metrics: dict[str, Any],
-) -> tuple[float | None, float | None, int | None]:
-    """(precision, timeliness, held back) of the warm-up, None where there
-    was none.
-
-    Precision = promoted-to-hot bytes used / promoted; timeliness = timely /
-    (timely + late) demand reads of promoted chunks; held back = planned
-    chunks the benefit guard skipped (see
-    :class:`lmcache_tiered.metrics.WarmupStats`).
-    """
-    warmup = metrics.get("warmup") or {}
-    demanded = warmup.get("timely", 0) + warmup.get("late", 0)
-    timeliness = warmup["timely"] / demanded if demanded else None
-    held_back = warmup["held_back"] if warmup.get("plans") else None
-    return warmup.get("precision"), timeliness, held_back
 
 
 def run_variant(
@@ -409,7 +408,7 @@ def _result(
 ) -> RunResult:
     metrics = {} if backend is None else backend.metrics_snapshot()
     tiers = metrics.get("tiers", {})
-    precision, timeliness, held_back = warmup_quality(metrics)
+    precision, timeliness, held_back = rules.warmup_quality(metrics)
     return RunResult(
         name=name,
         records=records,
