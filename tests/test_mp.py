@@ -776,7 +776,7 @@ def test_two_servers_sharing_a_cold_tier(
     assert sorted(os.listdir(cold_dir)) == [
         f"kv-mp-{h}.{ext}"
         for h in ("host-a", "host-b")
-        for ext in ("hdr", "lock", "slab")
+        for ext in ("changes", "hdr", "lock", "slab")
     ]
     recorder = Recorder()
     b.register_listener(recorder)

@@ -174,6 +174,8 @@ class TieredCache:
                     capacity_bytes=tier_settings.capacity_bytes // local_workers,
                     held_lock=None if name not in holds else holds[name].adopt,
                     seal=seal if name == "cold" else None,
+                    # other hosts read a cold tier's files (SharedCold)
+                    change_log=name == "cold",
                 )
             #: always files: the store asks for its victims, the L2 adapter
             #: for its geometry

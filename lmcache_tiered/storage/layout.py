@@ -391,8 +391,9 @@ class Geometry:
 @dataclass(frozen=True, slots=True)
 class TierNames:
     """The files of one owner (``kv-w0``, ``kv-mp``, a host's ``kv-w0-<host>``)
-    in a tier's directories: a slab per path, the header file and the lock
-    file on the first."""
+    in a tier's directories: a slab per path, the header file, the lock file
+    and the change log (a shared tier's, :mod:`lmcache_tiered.storage.changes`)
+    on the first."""
 
     paths: tuple[str, ...]
     owner: str
@@ -410,6 +411,10 @@ class TierNames:
     @property
     def lock(self) -> str:
         return os.path.join(self.paths[0], f"{self.owner}.lock")
+
+    @property
+    def changes(self) -> str:
+        return os.path.join(self.paths[0], f"{self.owner}.changes")
 
     @classmethod
     def owner_of(cls, file_name: str) -> str | None:

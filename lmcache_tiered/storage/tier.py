@@ -35,6 +35,7 @@ from lmcache_tiered.io.base import ALIGN
 from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.metrics import TierStats
 from lmcache_tiered.storage.base import StorageTier
+from lmcache_tiered.storage.changes import ChangeLog
 from lmcache_tiered.storage.checks import CheckBatch
 from lmcache_tiered.storage.health import TierHealth
 from lmcache_tiered.storage.index import Entry, SlotIndex
@@ -76,6 +77,9 @@ class Tier(TierWrites, StorageTier):
     system: never written, locked or formatted here; every read is
     CRC-checked, since the owner may be rewriting a slot meanwhile (see
     :meth:`refresh`).
+
+    ``change_log``: log the slots each write batch changed, for the hosts
+    that read these files (:mod:`lmcache_tiered.storage.changes`).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class Tier(TierWrites, StorageTier):
         read_only: bool = False,
         held_lock: Callable[[], int] | None = None,
         seal: RecordSeal | None = None,
+        change_log: bool = False,
     ) -> None:
         self.name = options.name
         self.owner = owner
@@ -128,11 +133,20 @@ class Tier(TierWrites, StorageTier):
         #: the index is not loaded (start-up found the files unreadable):
         #: recovery loads it before the tier serves
         self._unloaded = False
+        #: ours, for the hosts reading these files: started once the files
+        #: are ours and loaded (:meth:`_ours`)
+        self.changes = (
+            ChangeLog(names.changes, self._capacity_slots, options.file_mode)
+            if change_log and not read_only
+            else None
+        )
         try:
             self.files.open(held_lock)
             if (why := self._claim() or self._load()) is not None:
                 self._unloaded = True
                 self.health.degrade(why)
+            else:
+                self._ours()
         except BaseException:
             self.close()  # its prober, and any files it opened
             raise
@@ -471,7 +485,15 @@ class Tier(TierWrites, StorageTier):
         self._unloaded = False
         with self._lock:
             self.index.forget_checks()
+        self._ours()
         return how
+
+    def _ours(self) -> None:
+        """The files are ours and loaded (opened, or recovered): a new change
+        log generation, since headers may have been written that the old one
+        does not name (a crash between the two, another writer's)."""
+        if self.changes is not None:
+            self.changes.start()
 
     def _claim(self) -> str | None:
         """Make the files ours (see :mod:`lmcache_tiered.storage.ownership`);
@@ -501,3 +523,5 @@ class Tier(TierWrites, StorageTier):
         """Stop the prober, release the engine and the files (idempotent)."""
         if self.health.close():
             self.files.close()
+            if self.changes is not None:
+                self.changes.close()

@@ -22,6 +22,7 @@ from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.base import IORequest
 from lmcache_tiered.keys import StoreKey, key_digest
 from lmcache_tiered.metrics import TierStats
+from lmcache_tiered.storage.changes import ChangeLog
 from lmcache_tiered.storage.checks import VERIFIERS
 from lmcache_tiered.storage.health import TierHealth
 from lmcache_tiered.storage.index import Entry, SlotIndex
@@ -49,6 +50,7 @@ class TierWrites:
     index: SlotIndex
     geometry: Geometry
     files: TierFileSet
+    changes: ChangeLog | None
     on_evict: Callable[[list[StoreKey]], None] | None
     _lock: threading.Lock
     _slot_setting: str
@@ -193,6 +195,9 @@ class TierWrites:
                 offset = Geometry.header_offset(entry.slot)
                 headers.append(IORequest(self.files.header_file, offset, block))
         header_ok = iter(self._write_all(headers) if headers else ())
+        if self.changes is not None:  # one append per batch, after its headers
+            tried = zip(payload_ok, planned, strict=True)
+            self.changes.append([entry.slot for ok, (_, entry, _) in tried if ok])
         done = [ok and next(header_ok) for ok in payload_ok]
         if any(done) and (gone := self.files.missing()) is not None:
             # written into a file no longer at its path: lost on restart
