@@ -45,6 +45,7 @@ from lmcache_tiered.storage.layout import (
     TierNames,
     align_up,
 )
+from lmcache_tiered.storage.mirror import Follower, MirrorIndex
 from lmcache_tiered.storage.payload import Allocator, Payload, payload_view
 from lmcache_tiered.storage.seal import RecordSeal, SealedRecords
 from lmcache_tiered.storage.tier_writes import TierWrites
@@ -114,13 +115,20 @@ class Tier(TierWrites, StorageTier):
                 f"{options.capacity_setting} or lower {options.slot_setting}"
             )
         self._lock = threading.Lock()
+        mirror = MirrorIndex(self._capacity_slots) if read_only else None
         #: what is stored where; read or change it only under the tier's lock
-        self.index = SlotIndex(self._capacity_slots)
+        self.index = SlotIndex(self._capacity_slots) if mirror is None else mirror
         names = TierNames(options.paths, owner)
         where = f"tier {self.name} ({names.header})"
         self.sealed = None if seal is None else SealedRecords(seal, self.stats, where)
         self.files = TierFileSet(
             options, names, self.geometry, self.stats, read_only=read_only
+        )
+        #: a read-only tier's refresh reads what its owner's change log names
+        self._follower = (
+            None
+            if mirror is None
+            else Follower(self.files, names.changes, mirror, self._lock, self.stats)
         )
         self.health = TierHealth(
             self.name,
@@ -434,6 +442,8 @@ class Tier(TierWrites, StorageTier):
     def _load(self) -> str | None:
         """Rebuild the index from the files (see :meth:`TierFileSet.load`);
         why not, when they cannot be read."""
+        if self._follower is not None:
+            self._follower.mark()
         loaded = self.files.load(self.index.max_slots)
         if isinstance(loaded, str):
             return loaded
@@ -513,10 +523,12 @@ class Tier(TierWrites, StorageTier):
             self._lost_files(other)
 
     def refresh(self) -> None:
-        """Re-read a read-only tier's headers: what its owner stored since."""
-        assert self.read_only, "only another process's tier is refreshed"
+        """Bring a read-only tier up to what its owner stored since: the
+        header blocks its change log names, or all of them where the log
+        cannot tell (:mod:`lmcache_tiered.storage.mirror`)."""
+        assert self._follower is not None, "only another process's tier is refreshed"
         with self.health.in_use() as usable:
-            if usable:
+            if usable and not self._follower.catch_up():
                 self._load()
 
     def close(self) -> None:

@@ -553,7 +553,7 @@ class TierFileSet:
         found = [(s, h) for s, h in blocks if not isinstance(h, CorruptRecord)]
         if bad := len(blocks) - len(found):
             damage.append(f"{bad} damaged headers in {header}")
-        whole = self._within_slabs(found)
+        whole = self.within_slabs(found)
         if cut := len(found) - len(whole):
             damage.append(
                 f"{cut} records running past the end of a slab (truncated or "
@@ -580,7 +580,7 @@ class TierFileSet:
         )
         return list(live.values()), slots
 
-    def _within_slabs(
+    def within_slabs(
         self, found: list[tuple[int, RecordHeader]]
     ) -> list[tuple[int, RecordHeader]]:
         """The records whose payload lies inside the slabs (a slab may have
