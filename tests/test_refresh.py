@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,6 +282,43 @@ def test_an_owner_that_logs_nothing_is_rescanned(following: Following) -> None:
     write(following.owner, 3)
     assert key_digest(key(3)) in following.refreshed()
     assert following.rescans == 2
+
+
+def test_a_fifo_or_an_overlong_log_planted_in_its_place_is_not_followed(
+    following: Following, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(following.owner, 1)
+    following.refreshed()
+    following.log.unlink()
+    os.mkfifo(following.log)  # opened without blocking, refused
+    write(following.owner, 2)
+    assert key_digest(key(2)) in following.refreshed()
+    assert following.rescans == 1
+    following.log.unlink()
+    following.reopen_owner(change_log=True)
+    following.refreshed()
+    write(following.owner, 3)
+    # sound entries, but more than an owner of 8 slots logs before rotating
+    seed = zlib.crc32(following.log.read_bytes()[:16])
+    entry = struct.pack("<II", 0, zlib.crc32((0).to_bytes(4, "little"), seed))
+    with open(following.log, "ab") as log:
+        log.write(entry * (8 * 8 + 1))
+    assert key_digest(key(3)) in following.refreshed()
+    assert following.rescans == 3
+
+
+def test_a_log_that_cannot_be_written_is_given_up_and_writes_go_on(
+    cold_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = Path(TierNames((str(cold_dir),), OWNER).changes)
+    log.mkdir()  # planted: the log cannot be renamed over it
+    owner = open_cold(cold_dir, change_log=True)
+    try:
+        write(owner, 1, 2)
+    finally:
+        owner.close()
+    assert rescan(cold_dir).keys() == {key_digest(key(i)) for i in (1, 2)}
+    assert [r for r in caplog.records if "cannot write this change log" in r.msg]
 
 
 def test_one_append_per_write_batch(
