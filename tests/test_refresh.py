@@ -15,6 +15,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from lmcache_tiered.keys import key_digest
 from lmcache_tiered.storage import changes as changes_module
 from lmcache_tiered.storage.layout import HEADER_SIZE, RecordHeader, TierNames
 from lmcache_tiered.storage.payload import Payload
+from lmcache_tiered.storage.seal import MIN_SECRET_BYTES, RecordSeal
 from lmcache_tiered.storage.tier import Tier
 
 PAYLOAD = 4096
@@ -52,9 +54,7 @@ def config(cold: Path, capacity_gb: float = 0.01) -> TieredConfig:
     )
 
 
-def open_cold(
-    cold: Path, owner: str = OWNER, *, slots: int = 8, **kwargs: bool
-) -> Tier:
+def open_cold(cold: Path, owner: str = OWNER, *, slots: int = 8, **kwargs: Any) -> Tier:
     """A tier on ``cold``'s files of ``owner``, of ``slots`` slots."""
     settings = config(cold)
     assert settings.cold is not None
@@ -90,9 +90,11 @@ def view(tier: Tier) -> View:
     return {key_digest(e.header.key): (e.slot, e.header) for e in tier.index}
 
 
-def rescan(cold: Path, owner: str = OWNER, slots: int = 8) -> View:
+def rescan(
+    cold: Path, owner: str = OWNER, slots: int = 8, seal: RecordSeal | None = None
+) -> View:
     """What a full rescan of the files finds."""
-    fresh = open_cold(cold, owner, slots=slots, read_only=True)
+    fresh = open_cold(cold, owner, slots=slots, read_only=True, seal=seal)
     try:
         return view(fresh)
     finally:
@@ -103,10 +105,12 @@ class Following:
     """An owner with its change log, a tier following it, and how many
     times the follower rescanned the whole header file."""
 
-    def __init__(self, cold: Path, slots: int = 8) -> None:
-        self.cold, self.slots = cold, slots
-        self.owner = open_cold(cold, slots=slots, change_log=True)
-        self.reader = open_cold(cold, slots=slots, read_only=True)
+    def __init__(
+        self, cold: Path, slots: int = 8, seal: RecordSeal | None = None
+    ) -> None:
+        self.cold, self.slots, self.seal = cold, slots, seal
+        self.owner = open_cold(cold, slots=slots, change_log=True, seal=seal)
+        self.reader = open_cold(cold, slots=slots, read_only=True, seal=seal)
         self.rescans = 0
         load = self.reader.files.load
 
@@ -120,7 +124,7 @@ class Following:
     def log(self) -> Path:
         return Path(TierNames((str(self.cold),), OWNER).changes)
 
-    def reopen_owner(self, **kwargs: bool) -> None:
+    def reopen_owner(self, **kwargs: Any) -> None:
         self.owner.close()
         self.owner = open_cold(self.cold, slots=self.slots, **kwargs)
 
@@ -128,7 +132,7 @@ class Following:
         """The follower's view after a refresh, checked against a rescan's."""
         self.reader.refresh()
         seen = view(self.reader)
-        assert seen == rescan(self.cold, slots=self.slots)
+        assert seen == rescan(self.cold, slots=self.slots, seal=self.seal)
         return seen
 
     def close(self) -> None:
@@ -282,6 +286,35 @@ def test_an_owner_that_logs_nothing_is_rescanned(following: Following) -> None:
     write(following.owner, 3)
     assert key_digest(key(3)) in following.refreshed()
     assert following.rescans == 2
+
+
+def test_under_a_fleet_secret_a_record_without_a_mac_is_refused_as_at_load(
+    cold_dir: Path,
+) -> None:
+    seal = RecordSeal(b"s" * MIN_SECRET_BYTES)
+    pair = Following(cold_dir, seal=seal)
+    try:
+        write(pair.owner, 1)
+        assert key_digest(key(1)) in pair.refreshed()
+        pair.reopen_owner(change_log=True)  # without the secret
+        pair.refreshed()
+        write(pair.owner, 2)
+        assert key_digest(key(2)) not in pair.refreshed()
+        assert pair.rescans == 1 and pair.reader.stats.unsigned == 1
+    finally:
+        pair.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a file to another user")
+def test_a_log_owned_by_an_untrusted_user_is_not_followed(
+    following: Following,
+) -> None:
+    write(following.owner, 1)
+    following.refreshed()
+    os.chown(following.log, os.geteuid() + 4242, -1)  # planted by another user
+    write(following.owner, 2)
+    assert key_digest(key(2)) in following.refreshed()
+    assert following.rescans == 1
 
 
 def test_a_fifo_or_an_overlong_log_planted_in_its_place_is_not_followed(

@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lmcache_tiered.storage.files import open_regular
+from lmcache_tiered.storage.files import check_owner_trusted, open_regular
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -180,12 +180,14 @@ class Tail:
 
 class ChangeReader:
     """A reader's place in another owner's change log, for a tier of up to
-    ``slots`` slots: a longer tail than such an owner logs before rotating
-    (a planted file) is not read, but rescanned instead."""
+    ``slots`` slots. A planted log is not followed (the header file is
+    rescanned instead): one owned by a user outside ``uids`` (None: any), or
+    with a longer tail than such an owner logs before rotating."""
 
-    def __init__(self, path: str, slots: int) -> None:
+    def __init__(self, path: str, slots: int, uids: frozenset[int] | None) -> None:
         self.path = path
         self._most = ROTATE_PER_SLOT * max(slots, 1) * _ENTRY.size
+        self._uids = uids
         #: (generation, offset of the next entry); None: lost
         self._place: tuple[int, int] | None = None
 
@@ -226,12 +228,14 @@ class ChangeReader:
         """The log's generation, its stat, and its bytes from ``start`` on
         (None if not asked for, or the log is shorter than ``start`` or too
         long a way past it); None where it cannot be read (gone, a link or
-        FIFO planted there, no permission, an I/O error) or has no head."""
+        FIFO planted there, an untrusted owner, no permission, an I/O error)
+        or has no head."""
         try:
             fd = open_regular(self.path, os.O_RDONLY)
         except OSError:
             return None
         try:
+            check_owner_trusted(fd, self.path, self._uids)
             generation = _generation(os.pread(fd, _HEAD.size, 0))
             info = os.fstat(fd)
             data = None

@@ -4,9 +4,10 @@ the header blocks its change log names (:mod:`lmcache_tiered.storage.changes`).
 :class:`Follower` reads what the owner logged since the last refresh and
 those slots' header blocks (one engine batch per 4 MiB of them), and
 :class:`MirrorIndex` puts each block's record in place of what the slot held
-before. Where the log cannot tell (see the changes module), or the header
-file shrank, or a block read fails, the tier rescans the whole header file
-as it did before logs.
+before, keeping only what a rescan keeps (no damaged record, none past a
+slab's end, under a fleet secret none without a MAC). Where the log cannot
+tell (see the changes module), or the header file shrank, or a block read
+fails, the tier rescans the whole header file as it did before logs.
 
 The result is what a rescan finds, with one difference that costs only a
 miss: a key the owner rewrote to a new slot and then evicted from it is
@@ -35,6 +36,7 @@ from lmcache_tiered.storage.layout import (
     RecordHeader,
     decode_header_blocks,
 )
+from lmcache_tiered.storage.seal import SealedRecords
 from lmcache_tiered.storage.tierfiles import TierFileSet
 
 
@@ -91,7 +93,8 @@ class MirrorIndex(SlotIndex):
 
 class Follower:
     """Brings a read-only tier's :class:`MirrorIndex` up to its owner's
-    files, under the tier's lock only to change the index."""
+    files, under the tier's lock only to change the index. Under a fleet
+    secret (``sealed``) a record without a MAC is refused, as at load."""
 
     def __init__(
         self,
@@ -100,12 +103,14 @@ class Follower:
         index: MirrorIndex,
         lock: threading.Lock,
         stats: TierStats,
+        sealed: SealedRecords | None,
     ) -> None:
         self._files = files
-        self._log = ChangeReader(changes, index.max_slots)
+        self._log = ChangeReader(changes, index.max_slots, files.options.owner_uids)
         self._index = index
         self._lock = lock
         self._stats = stats
+        self._sealed = sealed
         #: the header file's size at the last rescan or refresh
         self._size = 0
 
@@ -138,8 +143,8 @@ class Follower:
     def _read(
         self, slots: Sequence[int]
     ) -> list[tuple[int, RecordHeader | None]] | None:
-        """Each slot's record (None: none, or a damaged one, counted as a
-        rescan counts it); None if a read fails."""
+        """Each slot's record (None: none, or one a rescan would not keep);
+        None if a read fails."""
         found: list[tuple[int, RecordHeader | None]] = []
         if not slots:
             return found
@@ -157,17 +162,26 @@ class Follower:
             results = self._files.submit(requests, write=False).result()
             if any(n < 0 for n in results):
                 return None
-            whole, bad = [], 0
-            for slot, block, got in zip(group, blocks, results, strict=False):
-                # a block cut short (the file ends in it) holds no record
-                for _, header in decode_header_blocks(
-                    block[:got], slot, self._files.geometry.max_payload
-                ):
-                    if isinstance(header, CorruptRecord):
-                        bad += 1
-                    else:
-                        whole.append((slot, header))
-            within = dict(self._files.within_slabs(whole))
-            self._stats.corrupt += bad + len(whole) - len(within)
-            found += [(s, within.get(s)) for s in group]
+            records = self._records(group, blocks, results)
+            found += [(s, records.get(s)) for s in group]
         return found
+
+    def _records(
+        self, slots: Sequence[int], blocks: Sequence[memoryview], got: Sequence[int]
+    ) -> dict[int, RecordHeader]:
+        """The records that the blocks read for ``slots`` hold, kept as a
+        rescan keeps them: damaged ones and ones running past a slab's end
+        counted and left out, and under a fleet secret those without a MAC."""
+        whole, bad = [], 0
+        for slot, block, size in zip(slots, blocks, got, strict=False):
+            # a block cut short (the file ends in it) holds no record
+            for _, header in decode_header_blocks(
+                block[:size], slot, self._files.geometry.max_payload
+            ):
+                if isinstance(header, CorruptRecord):
+                    bad += 1
+                else:
+                    whole.append((slot, header))
+        within = self._files.within_slabs(whole)
+        self._stats.corrupt += bad + len(whole) - len(within)
+        return dict(within if self._sealed is None else self._sealed.sealed(within))

@@ -128,7 +128,9 @@ class Tier(TierWrites, StorageTier):
         self._follower = (
             None
             if mirror is None
-            else Follower(self.files, names.changes, mirror, self._lock, self.stats)
+            else Follower(
+                self.files, names.changes, mirror, self._lock, self.stats, self.sealed
+            )
         )
         self.health = TierHealth(
             self.name,
