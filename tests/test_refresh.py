@@ -402,6 +402,33 @@ def test_only_the_cold_tier_keeps_a_log_and_the_tools_ignore_it(
     assert report["owner"] == cold.owner and report["chunks"] == 2
 
 
+def test_a_write_the_header_files_mtime_hides_is_seen_in_the_log(
+    cold_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A coarse or skewed clock can leave a header file's size and mtime as
+    they were when we last looked; its owner's log still grew."""
+    monkeypatch.setattr(shared_module, "REFRESH_S", 3600.0)  # we refresh here
+    owner = open_cold(cold_dir, change_log=True)
+    own = open_cold(cold_dir, "kv-w0-us")
+    header = Path(owner.header_path)
+    try:
+        write(owner, 1)
+        old = time.time_ns() - 60 * 10**9  # well before our look: no slack
+        os.utime(header, ns=(old, old))
+        shared = SharedCold(own, config(cold_dir), max_payload=PAYLOAD)
+        try:
+            assert shared.find(key(1)) is not None
+            write(owner, 2)
+            os.utime(header, ns=(old, old))  # the same stamp as at our look
+            shared.refresh()
+            assert shared.find(key(2)) is not None
+        finally:
+            shared.close()
+    finally:
+        owner.close()
+        own.close()
+
+
 def sparse_owner(cold: Path, owner: str, slots: int) -> None:
     """An owner's files of ``slots`` slots, as sparse files, holding two
     records (written by a real tier, with its change log)."""

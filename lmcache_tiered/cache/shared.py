@@ -26,6 +26,7 @@ import time
 
 from lmcache_tiered.config import ConfigError, TieredConfig, setting_key
 from lmcache_tiered.keys import StoreKey
+from lmcache_tiered.storage.changes import log_stamp
 from lmcache_tiered.storage.files import file_kind, printable
 from lmcache_tiered.storage.health import JOIN_S
 from lmcache_tiered.storage.layout import RecordHeader, TierNames
@@ -39,10 +40,13 @@ REFRESH_S = 2.0
 #: longest wait before another try at a host whose files would not open (the
 #: wait doubles from REFRESH_S with each failure in a row)
 RETRY_MAX_S = 60.0
-#: a header file is read again only if its size or mtime changed, or its mtime
-#: was within this many seconds of our last read (a file system with coarse
-#: timestamps could hide a write in the same tick)
+#: a header file is read again only if its size or mtime changed, or its
+#: owner's change log did, or (an owner with no log) its mtime was within this
+#: many seconds of our last read (a file system with coarse timestamps could
+#: hide a write in the same tick; a log's size shows every batch logged)
 MTIME_SLACK_S = 2.0
+#: a header file's size and mtime_ns, and its change log's (inode, size)
+Stamp = tuple[int, int, tuple[int, int] | None]
 
 
 class SharedCold:
@@ -63,8 +67,8 @@ class SharedCold:
         self._max_payload = max_payload
         self._seal = seal
         self._foreign: dict[str, Tier] = {}
-        #: header file -> (size, mtime_ns, wall time) when we last read it
-        self._read_at: dict[str, tuple[int, int, float]] = {}
+        #: header file -> its stamp, then the wall time, when we last read it
+        self._read_at: dict[str, tuple[int, int, tuple[int, int] | None, float]] = {}
         #: names already warned about as not being tier files
         self._refused: set[str] = set()
         #: header file -> (failures in a row, monotonic time of the next try)
@@ -110,7 +114,8 @@ class SharedCold:
                 if not stat.S_ISREG(info.st_mode):
                     self._refuse(name, f"a {file_kind(info.st_mode)}")
                     continue
-                stamp = (info.st_size, info.st_mtime_ns)
+                log = log_stamp(TierNames(tuple(own.paths), owner).changes)
+                stamp = (info.st_size, info.st_mtime_ns, log)
                 if self._unchanged(name, stamp):
                     continue
                 read_at = time.time()
@@ -180,15 +185,15 @@ class SharedCold:
                 "shared cold tier: ignoring %s: %s", printable(name), printable(why)
             )
 
-    def _unchanged(self, name: str, stamp: tuple[int, int]) -> bool:
-        """Whether header file ``name`` (size, mtime_ns) is as we last read it
-        (only a file we opened has a record), with a write in the same
-        timestamp tick as that read ruled out."""
+    def _unchanged(self, name: str, stamp: Stamp) -> bool:
+        """Whether header file ``name`` and its change log are as we last read
+        them (only a file we opened has a record), with a write in the same
+        timestamp tick as that read ruled out where there is no log."""
         read = self._read_at.get(name)
         return (
             read is not None
-            and read[:2] == stamp
-            and read[2] - stamp[1] / 1e9 > MTIME_SLACK_S
+            and read[:3] == stamp
+            and (stamp[2] is not None or read[3] - stamp[1] / 1e9 > MTIME_SLACK_S)
         )
 
     def _run(self) -> None:

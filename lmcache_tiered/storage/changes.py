@@ -28,6 +28,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -65,6 +66,16 @@ def _generation(head: bytes) -> int | None:
         return None
     magic, generation = _HEAD.unpack_from(head)
     return int(generation) if magic == MAGIC else None
+
+
+def log_stamp(path: str) -> tuple[int, int] | None:
+    """What changes whenever an owner logs (the inode: a new generation; the
+    size: an append), for a look before reading anything; None: no log."""
+    try:
+        info = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return (info.st_ino, info.st_size) if stat.S_ISREG(info.st_mode) else None
 
 
 class ChangeLog:
