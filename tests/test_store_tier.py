@@ -282,6 +282,30 @@ def test_redis_going_away_degrades_to_misses_and_recovers(
     assert cold.stats.degradations >= 1
 
 
+def test_a_killed_redis_is_down_at_once_not_a_store_refusing_writes(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A killed Redis was logged as refusing writes, then as down (issue 51):
+    LMCache's RESP client reports a write to a dead server as not stored, not
+    as an error. A write not taken is now judged by a check at once."""
+    engine, connector, cache, _, _ = two_chunks_in_redis(
+        engine_factory, tmp_path, redis, monkeypatch
+    )
+    cold = cache.tiers["cold"]
+    caplog.set_level(logging.WARNING, logger="lmcache_tiered")
+    redis.stop()
+    for seed in (41, 51):  # more demotions to the dead store
+        store_chunks(engine, connector, 1, seed=seed)
+    wait_until(lambda: cold.degraded is not None, timeout=15)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(") down since" in m for m in lines), lines
+    assert not any("refuses writes" in m for m in lines), lines
+
+
 def test_multi_process_adapter_over_redis(tmp_path: Path, redis: Redis) -> None:
     """MP mode (``cold.adapter`` in adapter_params): a server with two warm
     slots demotes to Redis; a second server with an empty warm tier loads

@@ -29,9 +29,8 @@ dropped is a miss at the next read.
 Failure: every operation waits at most
 :data:`lmcache_tiered.storage.store_client.TIMEOUT_S`; a failed one whose
 adapter says its store is lost (our Mooncake connector) is an outage at once.
-LMCache's native Redis
-client never reconnects after the server goes away and can leave operations
-pending forever, so the tier's health machine
+LMCache's native Redis client never reconnects after the server goes away
+and can leave operations pending forever, so the tier's health machine
 (:class:`lmcache_tiered.storage.health.TierHealth`, the file tiers' too)
 checks the store every :data:`PROBE_S` seconds with a small write and read
 back of its own, of one of :data:`PROBE_OBJECTS` objects in turn until one
@@ -43,9 +42,9 @@ row: lookups and reads answer misses at once and writes are dropped, the
 adapter is abandoned, and the prober checks a new one until a check passes;
 only then does the tier serve again (its index empty: the store may have
 restarted empty). A store that answers reads but refuses writes (full,
-read-only) is not down: it *refuses writes* (they are dropped at once) and
-keeps serving its chunks until a check's write passes. Each change of state
-is one WARNING line, and ``degraded`` / ``writes_refused`` say since when.
+read-only) is not down: it *refuses writes* (dropped at once), serving its
+chunks until a check's write passes; a write not taken is judged by a check
+at once. Each change of state is one WARNING line.
 """
 
 from __future__ import annotations
@@ -427,8 +426,14 @@ class AdapterTier(StorageTier):
             return False
         self.health.note_success()
         if not stored:
-            self._refuse("a write was refused (full or read-only?)")
+            self._not_taken()
         return stored
+
+    def _not_taken(self) -> None:
+        """A write the store did not take: judged by a check through a new
+        client (LMCache's RESP adapter reports a write to a server that died
+        as not stored, not as an error: it read "refuses writes", then "down")."""
+        self._judge(self._check_once())
 
     # ---------------------------------------------------------------- health
 
@@ -542,9 +547,11 @@ class AdapterTier(StorageTier):
             if client is not self._client:
                 return  # swapped meanwhile (a refused write): stale
         else:
-            check, fresh = self._check_fresh()
-            if fresh is not None:
-                close_later(fresh.adapter)
+            check = self._check_once()
+        self._judge(check)
+
+    def _judge(self, check: _Check) -> None:
+        """Down, refusing writes, or taking them, as ``check`` found."""
         if check.down is not None:
             self.health.degrade(check.down)
         elif check.refused is not None:
@@ -552,14 +559,18 @@ class AdapterTier(StorageTier):
         else:
             self._takes_writes()
 
+    def _check_once(self) -> _Check:
+        """One check through a new client, closed after it."""
+        check, fresh = self._check_fresh()
+        if fresh is not None:
+            close_later(fresh.adapter)
+        return check
+
     def _check_fresh(self) -> tuple[_Check, StoreClient | None]:
         """One probe object checked through a new client, and that client
-        (None if it could not be built): a store that is down is checked
-        without handing its client to callers, and one that refuses writes
-        without writing through the client that serves reads (see
-        :meth:`_refuse`). A client that cannot reach the store waits out
-        every operation, so each waits half a period: the store's return is
-        seen within two."""
+        (None if not built): neither a down store's client nor the one that
+        serves reads (see :meth:`_refuse`) is used. Each operation waits half
+        a period at most: the store's return is seen within two."""
         try:
             client = StoreClient(build_adapter(self.spec), PROBE_S / 2)
         except Exception as exc:
