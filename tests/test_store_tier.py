@@ -306,6 +306,31 @@ def test_a_killed_redis_is_down_at_once_not_a_store_refusing_writes(
     assert not any("refuses writes" in m for m in lines), lines
 
 
+def test_after_a_redis_restart_a_new_client_serves_at_once(
+    engine_factory: EngineFactory,
+    tmp_path: Path,
+    redis: Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis restarted (empty) under the tier: LMCache's client never
+    reconnects, and its writes come back as not stored. That write's check
+    through a new client passes, so the new client serves from then on: no
+    outage, no "refuses writes" (what it read before), chunks stored after."""
+    engine, connector, cache, _, _ = two_chunks_in_redis(
+        engine_factory, tmp_path, redis, monkeypatch
+    )
+    cold = cache.tiers["cold"]
+    caplog.set_level(logging.WARNING, logger="lmcache_tiered")
+    redis.stop()
+    redis.start()
+    store_chunks(engine, connector, 2, seed=31)  # demotes two to the new Redis
+    served_from_the_store_again(engine, connector, cache, seed=41)
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("refuses writes" in m or "down since" in m for m in lines), lines
+    assert cold.degraded is None and cold.writes_refused is None
+
+
 def test_multi_process_adapter_over_redis(tmp_path: Path, redis: Redis) -> None:
     """MP mode (``cold.adapter`` in adapter_params): a server with two warm
     slots demotes to Redis; a second server with an empty warm tier loads

@@ -55,7 +55,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 import torch
 from lmcache.v1.distributed.api import ObjectKey
@@ -80,6 +79,7 @@ from lmcache_tiered.storage.seal import RecordSeal, SealedRecords
 from lmcache_tiered.storage.store_client import (
     HEADER_GROUP,
     PAYLOAD_GROUP,
+    StoreCheck,
     StoreClient,
     StoreUnavailable,
     build_adapter,
@@ -410,8 +410,7 @@ class AdapterTier(StorageTier):
         return landed
 
     def _store(self, keys: list[ObjectKey], buffers: list[torch.Tensor]) -> bool:
-        """Store ``keys`` from ``buffers``; False if not stored. Nothing is
-        tried while the store is down or refuses writes."""
+        """Store ``keys`` from ``buffers``; False if not (untried: down, refusing)."""
         client = self._client
         if client is None or self.degraded is not None or self.writes_refused:
             return False
@@ -426,16 +425,18 @@ class AdapterTier(StorageTier):
             return False
         self.health.note_success()
         if not stored:
-            self._not_taken()
+            self._check_anew()
         return stored
 
-    def _not_taken(self) -> None:
-        """A write the store did not take: judged by a check through a new
-        client (LMCache's RESP adapter reports a write to a server that died
-        as not stored, not as an error: it read "refuses writes", then "down")."""
-        self._judge(self._check_once())
-
     # ---------------------------------------------------------------- health
+
+    def _adopt(self, fresh: StoreClient) -> None:
+        """Serve through ``fresh`` (its checks' short timeout lifted)."""
+        fresh.timeout_s = None
+        with self._lock:
+            old, self._client = self._client, fresh
+        if old is not None:
+            close_later(old.adapter)
 
     def _went_down(self, why: str) -> str:
         """The store is down (under the lock, as the health machine degrades
@@ -458,10 +459,8 @@ class AdapterTier(StorageTier):
         if check.down is not None:
             close_later(fresh.adapter)
             return None
-        fresh.timeout_s = None
         since = self._down_since
-        with self._lock:
-            self._client = fresh
+        self._adopt(fresh)
         return f"back after {time.time() - since:.0f} s (down since {_clock(since)})"
 
     def _refuse(self, why: str) -> None:
@@ -506,10 +505,10 @@ class AdapterTier(StorageTier):
         """The store objects the prober writes, in the order it tries them."""
         return tuple(self._probe_keys)
 
-    def _check(self, client: StoreClient, tries: int = PROBE_OBJECTS) -> _Check:
+    def _check(self, client: StoreClient, tries: int = PROBE_OBJECTS) -> StoreCheck:
         """Our probe objects in turn, at most ``tries``, until one passes or
         refuses a write (that one is tried first next time); else down."""
-        check = _Check(down="no probe object tried")
+        check = StoreCheck(down="no probe object tried")
         for _ in range(min(tries, len(self._probe_keys))):
             check = self._check_one(client, self._probe_keys[0])
             if check.down is None:
@@ -517,7 +516,7 @@ class AdapterTier(StorageTier):
             self._probe_keys.append(self._probe_keys.pop(0))
         return check
 
-    def _check_one(self, client: StoreClient, key: ObjectKey) -> _Check:
+    def _check_one(self, client: StoreClient, key: ObjectKey) -> StoreCheck:
         """Write ``key``, then read it back. A write the store answered with a
         refusal is a store that is up but takes no writes; nothing is read
         through a client after a refused write (see :meth:`_refuse`)."""
@@ -526,31 +525,35 @@ class AdapterTier(StorageTier):
         try:
             if not client.store([key], [data]):
                 # it answered: up, but full or read-only
-                return _Check(refused="a check's write was refused")
+                return StoreCheck(refused="a check's write was refused")
             landed = client.load([key], [back])[0]
         except StoreUnavailable as exc:
-            return _Check(down=str(exc))
+            return StoreCheck(down=str(exc))
         except Exception as exc:
-            return _Check(down=f"a check failed: {exc}")
+            return StoreCheck(down=f"a check failed: {exc}")
         if not landed:
-            return _Check(down="the store took a check's write, then did not find it")
+            return StoreCheck(
+                down="the store took a check's write, then did not find it"
+            )
         if not torch.equal(back, data):
-            return _Check(down="the store gave a check's object back with other bytes")
-        return _Check()
+            return StoreCheck(
+                down="the store gave a check's object back with other bytes"
+            )
+        return StoreCheck()
 
     def _watch(self) -> None:
-        """The health machine's check while the store serves: through the
-        client that serves, or, while it refuses writes, a new one."""
+        """The prober's check while the store serves: through the client
+        that serves, or, while it refuses writes, a new one."""
         client = self._client
         if self._refused is None and client is not None:
             check = self._check(client)
             if client is not self._client:
                 return  # swapped meanwhile (a refused write): stale
+            self._judge(check)
         else:
-            check = self._check_once()
-        self._judge(check)
+            self._check_anew()
 
-    def _judge(self, check: _Check) -> None:
+    def _judge(self, check: StoreCheck) -> None:
         """Down, refusing writes, or taking them, as ``check`` found."""
         if check.down is not None:
             self.health.degrade(check.down)
@@ -559,14 +562,20 @@ class AdapterTier(StorageTier):
         else:
             self._takes_writes()
 
-    def _check_once(self) -> _Check:
-        """One check through a new client, closed after it."""
+    def _check_anew(self) -> None:
+        """A check through a new client, which serves from now on if it passes
+        (ours may be what failed: LMCache's RESP adapter reports a write to a
+        server that died or restarted as not stored, never as an error)."""
         check, fresh = self._check_fresh()
+        if fresh is not None and check == StoreCheck():
+            self._adopt(fresh)
+            self._takes_writes()
+            return
         if fresh is not None:
             close_later(fresh.adapter)
-        return check
+        self._judge(check)
 
-    def _check_fresh(self) -> tuple[_Check, StoreClient | None]:
+    def _check_fresh(self) -> tuple[StoreCheck, StoreClient | None]:
         """One probe object checked through a new client, and that client
         (None if not built): neither a down store's client nor the one that
         serves reads (see :meth:`_refuse`) is used. Each operation waits half
@@ -574,7 +583,7 @@ class AdapterTier(StorageTier):
         try:
             client = StoreClient(build_adapter(self.spec), PROBE_S / 2)
         except Exception as exc:
-            return _Check(down=f"no new client: {exc}"), None
+            return StoreCheck(down=f"no new client: {exc}"), None
         return self._check(client, tries=1), client
 
     def close(self) -> None:
@@ -584,15 +593,6 @@ class AdapterTier(StorageTier):
             # our probe object goes with us, unless the store is unreachable
             probe = list(self.probe_keys) if self.degraded is None else []
             close_later(client.adapter, delete_first=probe).join(store_client.TIMEOUT_S)
-
-
-@dataclass(frozen=True, slots=True)
-class _Check:
-    """What one check of the store found: why it is ``down`` (serves
-    nothing), or why it ``refused`` a write (serves reads only), or neither."""
-
-    down: str | None = None
-    refused: str | None = None
 
 
 def _clock(wall: float) -> str:

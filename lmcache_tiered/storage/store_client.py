@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -211,3 +212,12 @@ def close_later(
     )
     thread.start()
     return thread
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCheck:
+    """What one check of a store found: why it is ``down`` (serves nothing),
+    or why it ``refused`` a write (serves reads only), or neither."""
+
+    down: str | None = None
+    refused: str | None = None
