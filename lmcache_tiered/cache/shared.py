@@ -146,10 +146,9 @@ class SharedCold:
                 tier.close()
 
     def _trusted_host(self, owner: str) -> bool:
-        """Whether ``cold.owners`` lets us read the files of ``owner``
-        (``kv-w0-<host>``, ``kv-mp-<host>``: see ``tier_owner``)."""
+        """Whether ``cold.owners`` lets us read the files of ``owner``."""
         hosts = self._settings.cold_owners
-        return hosts is None or owner.split("-", 2)[-1] in hosts
+        return hosts is None or TierNames.host_of(owner) in hosts
 
     def _failed(self, name: str, why: str) -> None:
         """Another host's files would not open or read: a miss, warned once

@@ -64,7 +64,7 @@ from lmcache_tiered.keys import StoreKey
 from lmcache_tiered.storage.adapter_tier import AdapterTier
 from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.directories import DirectoryHold
-from lmcache_tiered.storage.layout import RecordHeader
+from lmcache_tiered.storage.layout import RecordHeader, TierNames
 from lmcache_tiered.storage.seal import load_seal
 from lmcache_tiered.storage.tier import Allocator, Payload, Tier
 from lmcache_tiered.warmup import CacheView, load_policy
@@ -81,7 +81,7 @@ ChangeCallback = Callable[[Sequence[StoreKey]], None]
 def tier_owner(tier: str, owner: str, settings: TieredConfig) -> str:
     """The owner name of tier ``tier``'s files: several hosts may share the
     cold tier, so its files are named per host."""
-    return owner if tier == "warm" else f"{owner}-{settings.host_id}"
+    return owner if tier == "warm" else TierNames.host_owner(owner, settings.host_id)
 
 
 def load_configured_policy(settings: TieredConfig, view: CacheView) -> WarmupPolicy:

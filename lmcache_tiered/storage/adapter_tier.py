@@ -238,16 +238,13 @@ class AdapterTier(StorageTier):
     def discover(self, keys: Sequence[StoreKey]) -> None:
         """Ask the store, in one batch, for the headers of ``keys`` the index
         lacks (chunks other hosts or earlier processes stored)."""
-        if self.degraded is not None:
+        wanted = {key_digest(k) for k in keys if self.header(k) is None}
+        if self.degraded is not None or not wanted:
             return
-        wanted = {key_digest(k): k for k in keys if self.header(k) is None}
-        if not wanted:
-            return
-        digests = list(wanted)
-        buffers = [torch.empty(HEADER_SIZE, dtype=torch.uint8) for _ in digests]
-        ok = self._load([object_key(d, HEADER_GROUP) for d in digests], buffers)
+        buffers = [torch.empty(HEADER_SIZE, dtype=torch.uint8) for _ in wanted]
+        ok = self._load([object_key(d, HEADER_GROUP) for d in wanted], buffers)
         found = []
-        for digest, buffer, good in zip(digests, buffers, ok, strict=True):
+        for digest, buffer, good in zip(wanted, buffers, ok, strict=True):
             if not good:
                 continue
             try:
@@ -257,7 +254,9 @@ class AdapterTier(StorageTier):
                 continue
             if key_digest(header.key) == digest:  # else a foreign object
                 found.append(header)
-        self._remember(found if self._sealed is None else self._sealed.sealed(found))
+        if self._sealed is not None:
+            found = self._sealed.sealed(found, lambda header: header)
+        self._remember(found)
 
     # ------------------------------------------------------------------ reads
 

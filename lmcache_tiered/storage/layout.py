@@ -78,8 +78,14 @@ MAX_DIMS = 8
 #: More devices than this in one tier is a damaged superblock, not a host.
 MAX_DEVICES = 1024
 
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """How a record spells its dtype (``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 _DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
+    _dtype_name(d): d
     for d in (
         torch.float32,
         torch.float16,
@@ -154,7 +160,7 @@ class RecordHeader:
 
     def encode(self) -> bytes:
         """The header as one zero-padded, CRC-protected 4 KiB block."""
-        dtype_name = str(self.dtype).removeprefix("torch.").encode()
+        dtype_name = _dtype_name(self.dtype).encode()
         key_bytes = key_text(self.key).encode()
         fixed = _RECORD.pack(
             RECORD_MAGIC,
@@ -246,7 +252,7 @@ def record_identity(
 ) -> bytes:
     """The bytes that say what a record is (see :meth:`RecordHeader.identity`);
     fixed-size fields first, so no two records' identities run into each other."""
-    dtype_name = str(dtype).removeprefix("torch.").encode()
+    dtype_name = _dtype_name(dtype).encode()
     return (
         _IDENTITY.pack(key_digest(key), fmt.value, size, len(shape), len(dtype_name))
         + struct.pack(f"<{len(shape)}Q", *shape)
@@ -415,6 +421,17 @@ class TierNames:
     @property
     def changes(self) -> str:
         return os.path.join(self.paths[0], f"{self.owner}.changes")
+
+    @staticmethod
+    def host_owner(owner: str, host_id: str) -> str:
+        """The owner of a host's files in a tier several hosts share
+        (``kv-w0`` of host ``a``: ``kv-w0-a``; owners are ``kv-<role>``)."""
+        return f"{owner}-{host_id}"
+
+    @staticmethod
+    def host_of(owner: str) -> str:
+        """The host id in such an owner's name (:meth:`host_owner`)."""
+        return owner.split("-", 2)[-1]
 
     @classmethod
     def owner_of(cls, file_name: str) -> str | None:

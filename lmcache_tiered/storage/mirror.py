@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 
 from lmcache_tiered.io import aligned_buffer
 from lmcache_tiered.io.base import IORequest
@@ -184,4 +185,6 @@ class Follower:
                     whole.append((slot, header))
         within = self._files.within_slabs(whole)
         self._stats.corrupt += bad + len(whole) - len(within)
-        return dict(within if self._sealed is None else self._sealed.sealed(within))
+        if self._sealed is not None:
+            within = self._sealed.sealed(within, itemgetter(1))
+        return dict(within)

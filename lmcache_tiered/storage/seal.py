@@ -19,6 +19,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from typing import TypeVar
 
 import blake3
@@ -28,8 +29,7 @@ from lmcache_tiered.metrics import TierStats
 from lmcache_tiered.storage.layout import MAC_SIZE, SEALED_VERSION, RecordHeader
 from lmcache_tiered.storage.payload import Payload
 
-#: a header, or (slot, header) as a tier's files load them
-_Header = TypeVar("_Header", RecordHeader, tuple[int, RecordHeader])
+_Item = TypeVar("_Item")
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -84,10 +84,14 @@ class SealedRecords:
     def sign(self, payload: Payload) -> bytes:
         return self._seal.mac(payload.identity(), payload.view)
 
-    def sealed(self, headers: list[_Header]) -> list[_Header]:
-        """The records of ``headers`` that carry a MAC (the others refused)."""
-        kept = [h for h in headers if _header_of(h).version == SEALED_VERSION]
-        if unsigned := len(headers) - len(kept):
+    def sealed(
+        self, items: list[_Item], header: Callable[[_Item], RecordHeader]
+    ) -> list[_Item]:
+        """The ``items`` whose record (``header(item)``, as
+        :func:`~lmcache_tiered.storage.layout.newest` takes it) carries a MAC;
+        the others are refused."""
+        kept = [i for i in items if header(i).version == SEALED_VERSION]
+        if unsigned := len(items) - len(kept):
             self.refuse(unsigned, f"{unsigned} records without a MAC")
         return kept
 
@@ -111,10 +115,6 @@ class SealedRecords:
             what,
         )
         return False
-
-
-def _header_of(item: RecordHeader | tuple[int, RecordHeader]) -> RecordHeader:
-    return item if isinstance(item, RecordHeader) else item[1]
 
 
 def load_seal(path: str, setting: str) -> RecordSeal:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
+from operator import itemgetter
 
 from lmcache.v1.memory_management import MemoryObj
 
@@ -451,7 +452,7 @@ class Tier(TierWrites, StorageTier):
             return loaded
         records, slots = loaded
         if self.sealed is not None:
-            records = self.sealed.sealed(records)
+            records = self.sealed.sealed(records, itemgetter(1))
         with self._lock:
             self.index.load(records, slots)
         return None
