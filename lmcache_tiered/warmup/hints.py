@@ -36,6 +36,7 @@ import math
 import os
 import queue
 import threading
+import urllib.error
 import urllib.request
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
@@ -385,6 +386,27 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
 
 
+def post_json(
+    url: str, payload: dict[str, Any], timeout: float, token: str | None = None
+) -> tuple[int | None, str]:
+    """POST ``payload`` as JSON to ``url``, directly (never through a proxy,
+    never redirected: the body is a user's prompt); the HTTP status and the
+    body's first 300 characters, or None and the error. Never raises."""
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        request = urllib.request.Request(url, body, headers, method="POST")
+        with _DIRECT.open(request, timeout=timeout) as response:
+            return response.status, response.read(300).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read(300).decode(errors="replace")
+    except (OSError, ValueError) as exc:  # URLError, timeouts, bad URL
+        return None, str(exc)
+
+
 def send_hint(
     url: str,
     token_ids: Sequence[int],
@@ -394,19 +416,14 @@ def send_hint(
 ) -> bool:
     """POST one hint to ``url``; True if it was accepted. Never raises on a
     network or server error (logs at DEBUG): a lost hint only loses warm-up.
-    Never through a proxy, never redirected: the body is a user's prompt.
     ``token``: the server's shared token (None: ``LMCACHE_TIERED_HINT_TOKEN``)."""
     hint: dict[str, Any] = {"token_ids": list(token_ids)}
     if deadline_s is not None:
         hint["deadline_s"] = deadline_s
-    body = json.dumps(hint, separators=(",", ":")).encode()
-    headers = {"Content-Type": "application/json"}
-    if token := os.environ.get(ENV_TOKEN, "") if token is None else token:
-        headers["Authorization"] = f"Bearer {token}"
-    try:
-        request = urllib.request.Request(url, body, headers, method="POST")
-        with _DIRECT.open(request, timeout=timeout) as response:
-            return bool(200 <= response.status < 300)
-    except (OSError, ValueError) as exc:  # URLError, HTTPError, timeouts, bad URL
-        logger.debug("lmcache_tiered: hint to %s not delivered: %s", url, exc)
-        return False
+    status, reply = post_json(
+        url, hint, timeout, os.environ.get(ENV_TOKEN, "") if token is None else token
+    )
+    if status is not None and 200 <= status < 300:
+        return True
+    logger.debug("lmcache_tiered: hint to %s not delivered: %s %s", url, status, reply)
+    return False

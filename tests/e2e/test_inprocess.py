@@ -166,7 +166,7 @@ def test_arrival_hints_reach_the_policy_before_each_lookup(
         engine_args={"max_num_seqs": 1},
         LMCACHE_TIERED_HINT_URL=url,
     )
-    assert f"forwarding vLLM request arrivals to {url}" in log
+    assert f"forwarding vLLM request arrivals to hint {url}" in log
     assert result["ids"] == baseline["ids"]
     assert result["cached"] == CACHED
     warmup = result["metrics"]["warmup"]

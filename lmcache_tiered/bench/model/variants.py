@@ -49,7 +49,7 @@ from lmcache_tiered.bench.model.serving import Replay
 from lmcache_tiered.cache.tiered_cache import TieredCache
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.integration.backend import TieredBackend
-from lmcache_tiered.integration.vllm_plugin import HintForwarder
+from lmcache_tiered.integration.vllm_plugin import HintForwarder, targets_from
 from lmcache_tiered.storage.adapter_tier import AdapterTier
 from lmcache_tiered.storage.tier import Tier
 from lmcache_tiered.storage.tierfiles import SHARED_FILE_SYSTEM_WARNING
@@ -285,7 +285,7 @@ def run_variant(
                 gpu_kv_tokens=UNBOUNDED if policy == ALL_HOT else None,
                 hints=None
                 if backend is None or backend.hint_server is None
-                else HintForwarder(backend.hint_server.url),
+                else HintForwarder(targets_from(backend.hint_server.url)),
             )
             if setup.restart and policy == ALL_HOT:
                 # the bound holds in HBM all that the others hold on drives
