@@ -59,6 +59,7 @@ from lmcache.v1.memory_management import (
     TensorMemoryObj,
 )
 from lmcache.v1.platform import consume_fd
+from prometheus_client import REGISTRY
 
 from lmcache_tiered._lmcache import object_key_to_string
 from lmcache_tiered.cache import writer
@@ -843,12 +844,19 @@ def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
     assert stats.plans == 2 and stats.keys_planned == 4
     assert stats.bytes_promoted_warm == 4 * CHUNK and stats.bytes_promoted_hot == 0
     assert adapter.report_status()["warmup"]["bytes_promoted_warm"] == 4 * CHUNK
+    # the same on the server's Prometheus port (the process's registry)
+    exported = {"instance": adapter._metrics_label, "policy": "lookahead"}
+    assert exported["instance"].startswith(OWNER)
+    promoted = "lmcache_tiered_warmup_bytes_promoted_warm_total"
+    assert REGISTRY.get_sample_value(promoted, exported) == 4 * CHUNK
     dst = [memory_obj() for _ in first]
     assert Caller(adapter).load(first, dst) == [0, 1, 2, 3]
     for i, obj in enumerate(dst):
         assert torch.equal(obj.tensor, memory_obj(seed=i).tensor)
     assert recorder.deleted == []
     adapter.submit_unlock(first[:1])
+    adapter.close()
+    assert REGISTRY.get_sample_value(promoted, exported) is None
 
 
 def test_touch_keeps_chunks_recent_without_locking_them(

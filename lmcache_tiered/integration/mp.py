@@ -33,6 +33,9 @@ into cache calls (:mod:`lmcache_tiered.integration.l2_work`):
   and touches (0.5.7: prefixes LMCache's L1 holds) are the warm-up policy's
   signal, one prefix chain per row of keys; there is no LMCache CPU tier
   below the adapter, so promotions go to warm.
+* Counters per tier, of the warm-up policy and of read-time admission are
+  in the adapter's part of the server's ``/status`` and on its Prometheus
+  port (``lmcache_tiered_*``, ``instance="kv-mp"``), as in-process.
 * LMCache's listeners and usage counters see a chunk as stored while some
   tier of ours holds it (:class:`lmcache_tiered.integration.l2_ledger.L2Ledger`,
   the adapter's base class); each chunk is charged one warm slot on disk.
@@ -78,6 +81,7 @@ from lmcache_tiered.integration.l2_work import (
     store_tasks,
 )
 from lmcache_tiered.io.base import CLOSE_WAIT_S
+from lmcache_tiered.metrics import collector
 from lmcache_tiered.storage.base import StorageTier
 from lmcache_tiered.storage.directories import DirectoryHold, recorded_max_payload
 
@@ -112,6 +116,7 @@ class TieredL2Adapter(L2Ledger):
         self._l1_memory_desc = l1_memory_desc
         #: None until the slot size is known (see _open_cache)
         self.cache: TieredCache | None = None
+        self._metrics_label = ""
         #: the tiers' directories, held until the tiers open and adopt them
         self._holds = self._hold_directories()
         warm = settings.warm
@@ -198,6 +203,9 @@ class TieredL2Adapter(L2Ledger):
             cache.register_memory(desc.ptr, desc.stable_registration_size)
         self._follow(cache)
         self.cache = cache
+        # LMCache's server serves the process's Prometheus registry
+        # (--prometheus-port): our series join its own there
+        self._metrics_label = collector().add_source(OWNER, cache.snapshot)
 
     def get_memory_tags(self) -> Any:
         """What LMCache's prefetch controller filters L2 adapters by (0.5.7:
@@ -410,6 +418,7 @@ class TieredL2Adapter(L2Ledger):
                     wait,
                 )
         if self.cache is not None:
+            collector().remove_source(self._metrics_label)
             self.cache.close()
         for hold in self._holds.values():
             hold.release()
