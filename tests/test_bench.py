@@ -589,15 +589,20 @@ def test_lmcache_server_answers_vllm_only_once_its_prefetch_is_done(
         assert b.loaded - b.scheduled < 0.1
 
 
-@pytest.mark.parametrize("loading", ["sync", "prefetch"])
-def test_lmcache_server_prefetches_while_the_request_waits_for_a_slot(
-    tmp_path: Path, loading: str
+@pytest.mark.parametrize(
+    ("variant", "loading"),
+    [("none", "sync"), ("none", "prefetch"), ("hinted", "prefetch")],
+)
+def test_a_hint_warms_l1_while_the_request_waits_for_a_slot(
+    tmp_path: Path, variant: str, loading: str
 ) -> None:
     """One slot, held by A's long decode; B arrives meanwhile with 3 chunks
-    on a drive of 0.1 GB/s (1 s). ``lmcache server`` is asked at B's
-    arrival (vLLM's connector looks up each new request) and reads them
-    while B waits for the slot; in-process LMCache loads them only once B
-    is scheduled."""
+    on a drive of 0.1 GB/s (1 s). vLLM looks B up only once the slot frees
+    (its scheduler's waiting loop stops at max_num_seqs), so both roads read
+    them after A: in-process LMCache in the engine loop, ``lmcache server``
+    in its prefetch. With arrival hints on the server's road (``hinted``:
+    the plugin's warm prefetch) they are read into L1 while B waits, and B
+    starts as soon as the slot frees."""
     trace_path = write_trace(
         tmp_path / "queued.jsonl",
         # A: no whole chunk, so nothing to load: it takes the slot at once
@@ -609,12 +614,13 @@ def test_lmcache_server_prefetches_while_the_request_waits_for_a_slot(
         *("--restart", "--hot-gb", "0.05", "--concurrency", "1"),
         *("--warm-drive", "0.1,0", "--loading", loading),
     )
-    a, b = run(args, "none").records
+    a, b = run(args, variant).records
     assert a.finished > b.arrival + 1.5  # the slot frees after B's read could end
-    assert b.served == {"warm": 3}
-    if loading == "prefetch":
+    if variant == "hinted":
+        assert b.served == {"hot": 3}  # L1: the warm prefetch read them
         assert b.first_token - a.finished < 0.5
     else:
+        assert b.served == {"warm": 3}
         assert b.first_token - a.finished >= 0.9
 
 

@@ -154,6 +154,37 @@ def test_lookahead_promotes_the_found_prefix_to_hot(
     assert cache.promoter.stats.precision == 1.0
 
 
+def test_no_hot_share_promotes_to_warm_only(
+    engine_factory: EngineFactory, device_dirs: list[Path], cold_dir: Path
+) -> None:
+    """``warmup.hot_fraction: 0`` leaves LMCache's CPU tier to LMCache (as
+    lmcache server's adapter has no hot tier below its L1): a plan for hot
+    copies the chunks from cold to warm, and nothing is pinned in the CPU
+    tier."""
+    engine, connector, cache = tiered_engine(
+        engine_factory,
+        device_dirs,
+        **{
+            "cold.paths": str(cold_dir),
+            "cold.write": "through",
+            "warmup.policy": "lookahead",
+            "warmup.lookahead.promote_found": True,
+            "warmup.hot_fraction": 0,
+        },
+    )
+    tokens, _ = store_chunks(engine, connector, 4, seed=5)
+    keys = testing.chunk_keys(engine, tokens)
+    testing.clear_cpu_tier(engine)
+    for key in keys:
+        cache.tiers["warm"].remove(key)
+    assert [cache.where(k) for k in keys] == ["cold"] * 4
+    assert testing.lookup(engine, tokens) == 4 * CHUNK
+    wait_until(lambda: all(cache.where(k) == "warm" for k in keys))
+    stats = cache.promoter.stats
+    assert stats.bytes_promoted_warm == 4 * CHUNK_BYTES
+    assert stats.bytes_promoted_hot == 0
+
+
 def test_chunks_in_hot_past_the_lookups_hot_prefix_are_not_read_from_disk(
     engine_factory: EngineFactory, device_dirs: list[Path]
 ) -> None:

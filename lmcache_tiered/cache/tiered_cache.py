@@ -209,7 +209,8 @@ class TieredCache:
             tiers=self.tiers,
             read_cold=self._read_cold,
             store=self.store,
-            hot=hot,
+            # hot_fraction 0: no promotions into LMCache's CPU tier at all
+            hot=hot if settings.warmup_hot_fraction > 0 else None,
             bandwidth_bytes_s=settings.warmup_bandwidth_bytes_s,
             hot_budget_bytes=int(
                 settings.warmup_hot_fraction

@@ -247,7 +247,8 @@ SETTINGS: dict[str, Setting] = {
         parse_fraction,
         0.25,
         "share of the CPU tier that promotions, pinned until used or expired, may "
-        "fill; those needed sooner displace those needed later",
+        "fill; those needed sooner displace those needed later (0: promotions go "
+        "to warm only, the CPU tier is LMCache's alone, as with lmcache server)",
         field="warmup_hot_fraction",
     ),
     "warmup.tick_ms": Setting(

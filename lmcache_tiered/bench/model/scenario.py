@@ -46,6 +46,12 @@ CHUNK_TOKENS = 256
 GIB = 1 << 30
 
 
+def whole_chunks(tokens: int) -> int:
+    """``tokens`` rounded down to LMCache's chunks (a masked load or store
+    skips only whole chunks)."""
+    return tokens // CHUNK_TOKENS * CHUNK_TOKENS
+
+
 @dataclass(frozen=True, slots=True)
 class Setup:
     """Everything that is the same for all variants of one run."""

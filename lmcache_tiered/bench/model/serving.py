@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,26 +28,23 @@ from lmcache_tiered.bench.common.progress import ProgressSink
 from lmcache_tiered.bench.common.report import RequestRecord
 from lmcache_tiered.bench.model.baseline import GpuPrefixCache
 from lmcache_tiered.bench.model.gpu_copies import CopyTime, GpuCopies
-from lmcache_tiered.bench.model.scenario import CHUNK_TOKENS, Setup, Workload
+from lmcache_tiered.bench.model.prefetch_road import PrefetchRoad, WarmPrefetch
+from lmcache_tiered.bench.model.scenario import (
+    CHUNK_TOKENS,
+    Setup,
+    Workload,
+    whole_chunks,
+)
 from lmcache_tiered.integration.backend import TieredBackend
 from lmcache_tiered.integration.vllm_plugin import HintForwarder
 from lmcache_tiered.testing.lmcache import LMCacheEngine
 
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
 _TIER_OF_LOCATION = {testing.CPU_TIER: "hot", testing.DISK_TIER: "warm"}
-#: Prefetches in flight at once with ``--loading prefetch``: LMCache's
-#: multi-process server's default (``--l2-prefetch-max-in-flight``)
-PREFETCHES_IN_FLIGHT = 8
-
-
-def _whole_chunks(tokens: int) -> int:
-    """``tokens`` rounded down to LMCache's chunks (a masked load or store
-    skips only whole chunks)."""
-    return tokens // CHUNK_TOKENS * CHUNK_TOKENS
 
 
 @dataclass(slots=True)
-class _Live:
+class Live:
     """A request in the server (times: GPU clock, wall seconds since start)."""
 
     index: int
@@ -97,10 +93,13 @@ class Replay:
         progress: ProgressSink,
         gpu_kv_tokens: int | None = None,
         hints: HintForwarder | None = None,
+        warm_prefetches: bool = False,
     ) -> None:
         """``gpu_kv_tokens``: vLLM's GPU prefix cache (default: the setup's);
         ``hints``: the production hint path into the backend, where it has one
-        (:mod:`lmcache_tiered.integration.vllm_plugin`'s forwarder)."""
+        (:mod:`lmcache_tiered.integration.vllm_plugin`'s forwarder);
+        ``warm_prefetches``: on the prefetch road, the same forwarder sends
+        each arrival to the server's warm prefetch instead."""
         self.setup = setup
         self.workload = workload
         self.engine = engine
@@ -119,25 +118,21 @@ class Replay:
             (r.arrival_s, i) for i, r in enumerate(self.requests) if r.after is None
         ]
         heapq.heapify(self.pending)
-        self.waiting: deque[_Live] = deque()
-        #: ``--loading prefetch``: requests whose prefetch is done, to be
-        #: scheduled (vLLM's GPU share taken, the load started) in order
-        self.prefetched: deque[_Live] = deque()
-        #: ``--loading prefetch``: requests loaded into the KV cache, for a slot
-        self.ready: deque[_Live] = deque()
-        self.prefilling: list[_Live] = []
-        self.decoding: list[_Live] = []
+        self.waiting: deque[Live] = deque()
+        self.prefilling: list[Live] = []
+        self.decoding: list[Live] = []
         self.finished = 0
         self.failure: BaseException | None = None
-        self.hints = hints
         self.copies = None if engine is None else GpuCopies(engine, setup)
         #: loads run off the engine loop, as LMCache's multi-process server
-        #: prefetches them (see :meth:`_prefetch`)
-        self.prefetching = (
-            None
-            if engine is None or not setup.prefetch_road
-            else ThreadPoolExecutor(PREFETCHES_IN_FLIGHT, "bench-prefetch")
+        #: prefetches them (:mod:`lmcache_tiered.bench.model.prefetch_road`)
+        self.road = (
+            None if engine is None or not setup.prefetch_road else PrefetchRoad(self)
         )
+        if warm_prefetches and self.road is not None:
+            assert engine is not None
+            hints = HintForwarder([WarmPrefetch(engine, self.road.pool, self.fail)])
+        self.hints = hints
         self.gpu_cache = GpuPrefixCache(
             setup.gpu_kv_tokens if gpu_kv_tokens is None else gpu_kv_tokens
         )
@@ -178,16 +173,16 @@ class Replay:
                 self.cond.notify_all()
             if frontend.is_alive():
                 frontend.join()
-            if self.prefetching is not None:
-                self.prefetching.shutdown()
             if self.hints is not None:
                 self.hints.close()
+            if self.road is not None:
+                self.road.shutdown()
         if self.failure is not None:
             raise RuntimeError("the bench frontend failed") from self.failure
         return [r for r in self.records if r is not None]
 
     @contextlib.contextmanager
-    def _real_work(self) -> Iterator[None]:
+    def real_work(self) -> Iterator[None]:
         """Real LMCache calls block the GPU for as long as they take, their
         GPU copies for as long as the modelled link takes; with prefetching
         the copies are the multi-process server's, off the loop: not at all."""
@@ -197,7 +192,7 @@ class Replay:
         modelled = 0.0 if copies is None else copies.modelled_s
         off_loop = CopyTime()
         try:
-            if copies is not None and self.prefetching is not None:
+            if copies is not None and self.road is not None:
                 with copies.off_loop() as off_loop:
                     yield
             else:
@@ -228,12 +223,12 @@ class Replay:
                 if self.hints is not None:  # as vLLM's API server would
                     self.hints.submit(self.workload.tokens[index].tolist())
                 with self.cond:
-                    self.waiting.append(_Live(index, arrival=release))
+                    self.waiting.append(Live(index, arrival=release))
                     self.cond.notify_all()
         except BaseException as exc:
-            self._fail(exc)
+            self.fail(exc)
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
         """A helper thread failed: the loop stops, and run() raises it."""
         self.failure = exc
         with self.cond:
@@ -244,7 +239,7 @@ class Replay:
         """Virtual time: queue the requests that arrived by the GPU clock."""
         while self.pending and self.pending[0][0] <= self.gpu:
             release, index = heapq.heappop(self.pending)
-            self.waiting.append(_Live(index, arrival=release))
+            self.waiting.append(Live(index, arrival=release))
 
     def _next_arrival(self) -> float:
         """Virtual time: when the next request arrives (inf: none is due)."""
@@ -268,8 +263,8 @@ class Replay:
         free = self.setup.concurrency - len(self.prefilling) - len(self.decoding)
         if self.virtual:
             self._release_due()
-        if self.prefetching is not None:
-            self._admit_prefetched(free)
+        if self.road is not None:
+            self.road.admit(free)
             return
         with self.cond:
             count = min(free, len(self.waiting))
@@ -280,12 +275,12 @@ class Replay:
         # may lag the wall clock a little)
         self.gpu = max(self.gpu, *(live.arrival for live in admitted))
         for live in admitted:
-            self._take_gpu_share(live)
-        with self._real_work():
+            self.take_gpu_share(live)
+        with self.real_work():
             for live in admitted:
                 live.scheduled = self.gpu
                 if self.engine is not None:
-                    live.hits = self._lookup(live)
+                    live.hits = self.lookup(live)
             for live in admitted:
                 if self.engine is not None:
                     self._retrieve(live)
@@ -296,102 +291,9 @@ class Replay:
 
     def _to_admit(self) -> bool:
         """Whether a request waits for the engine loop (call under the lock)."""
-        return bool(self.waiting or self.prefetched or self.ready)
+        return bool(self.waiting) or (self.road is not None and self.road.waiting())
 
-    def _admit_prefetched(self, free: int) -> None:
-        """``--loading prefetch``, ``lmcache server``'s road (see
-        :meth:`_prefetch`): each arrival is looked up at once, and one with
-        hits is prefetched off the loop before vLLM may schedule it. Then, in
-        order, a request takes vLLM's GPU share; one with chunks past it
-        waits, without a slot (vLLM skips a request whose KV is loading), for
-        their copy over the modelled link; the others, and the loaded ones
-        first, take the free slots."""
-        with self.cond:
-            arrived = list(self.waiting)
-            self.waiting.clear()
-        for live in arrived:
-            self.gpu = max(self.gpu, live.arrival)
-            with self._real_work():
-                live.scheduled = self.gpu
-                live.hits = self._lookup(live)
-            if live.hits:
-                assert self.prefetching is not None
-                self.prefetching.submit(self._prefetch, live)
-            else:
-                self._unpin(live)
-                self.prefetched.append(live)
-        with self.cond:
-            admitted = [self.ready.popleft() for _ in range(min(free, len(self.ready)))]
-        free -= len(admitted)
-        while free > 0:
-            with self.cond:
-                if not self.prefetched:
-                    break
-                live = self.prefetched.popleft()
-            self.gpu = max(self.gpu, live.arrival)
-            self._take_gpu_share(live)
-            if self._hit_tokens(live) > live.gpu_cached:
-                self._start_copy(live)
-                continue
-            admitted.append(live)
-            free -= 1
-        for live in admitted:
-            live.loaded = self.gpu
-        self.prefilling.extend(admitted)
-
-    def _start_copy(self, live: _Live) -> None:
-        """Copy the hit chunks past vLLM's share into the KV cache over the
-        modelled link; then the request waits for a slot. vLLM allocates the
-        blocks a load will fill when it starts it."""
-        hit_tokens = self._hit_tokens(live)
-        self.gpu_cache.hold(live.index, self.requests[live.index], hit_tokens)
-        self._count_loaded(live, hit_tokens - _whole_chunks(live.gpu_cached))
-        assert self.copies is not None
-        copy = threading.Timer(
-            self.copies.link_s(live.loaded_tokens), self._loaded, (live,)
-        )
-        copy.daemon = True
-        copy.start()
-
-    def _prefetch(self, live: _Live) -> None:
-        """Read every chunk a request's lookup found, off the engine loop.
-
-        LMCache's multi-process server prefetches all of them into its CPU
-        tier, those vLLM's own prefix cache holds included, and answers
-        vLLM's lookup only when that is done; its default prefetch policy
-        keeps nothing it loaded from L2 in its CPU tier once read. Here they
-        are read at once into the KV buffer (a stand-in for the server's
-        memory: the copy to the KV cache is timed at the link's rate when
-        vLLM schedules the request) and dropped from the CPU tier. That
-        copy is off the loop: not charged to the GPU clock."""
-        try:
-            assert self.engine is not None and self.copies is not None
-            hit_tokens = self._hit_tokens(live)
-            with self.copies.off_loop():
-                loaded = self.engine.retrieve(
-                    self.workload.tokens[live.index][:hit_tokens],
-                    kvcaches=self.workload.kv,
-                    req_id=self._lookup_id(live),
-                )
-            # a chunk lost since the lookup ends the prefix vLLM is told of
-            whole = int(loaded.to(torch.int64).cumprod(0).sum())
-            del live.hits[math.ceil(whole / CHUNK_TOKENS) :]
-            self._unpin(live)
-            testing.drop_from_cpu_tier(self.engine, live.below_cpu)
-        except BaseException as exc:
-            self._fail(exc)
-            return
-        with self.cond:
-            self.prefetched.append(live)
-            self.cond.notify_all()
-
-    def _loaded(self, live: _Live) -> None:
-        """A request's chunks are in the KV cache: it waits for a slot."""
-        with self.cond:
-            self.ready.append(live)
-            self.cond.notify_all()
-
-    def _take_gpu_share(self, live: _Live) -> None:
+    def take_gpu_share(self, live: Live) -> None:
         """The prompt tokens vLLM's GPU prefix cache holds count as computed,
         and the request holds them from now on."""
         request = self.requests[live.index]
@@ -400,19 +302,19 @@ class Replay:
         )
         self.gpu_cache.hold(live.index, request, live.computed)
 
-    def _hit_tokens(self, live: _Live) -> int:
+    def hit_tokens(self, live: Live) -> int:
         """Prompt tokens of the hit prefix LMCache's lookup found."""
         return min(
             len(live.hits) * CHUNK_TOKENS, self.requests[live.index].input_length
         )
 
-    def _lookup_id(self, live: _Live) -> str:
+    def lookup_id(self, live: Live) -> str:
         return f"{self.name}-{live.index}"
 
-    def _lookup(self, live: _Live) -> list[str]:
+    def lookup(self, live: Live) -> list[str]:
         """LMCache lookup with pins; the tier of each hit chunk, prefix order."""
         assert self.engine is not None
-        lookup_id = self._lookup_id(live)
+        lookup_id = self.lookup_id(live)
         self.engine.lookup(
             self.workload.tokens[live.index], lookup_id=lookup_id, pin=True
         )
@@ -433,15 +335,15 @@ class Replay:
         cache = None if self.backend is None else self.backend.cache
         return (cache and cache.where(key)) or "warm"
 
-    def _retrieve(self, live: _Live) -> None:
+    def _retrieve(self, live: Live) -> None:
         """Load the hit prefix past what the GPU holds (the worker's blocking
         load; vLLM's connector masks the GPU's share, chunk-aligned), then
         unpin."""
         assert self.engine is not None
         tokens = self.workload.tokens[live.index]
-        hit_tokens = self._hit_tokens(live)
-        skip = _whole_chunks(live.gpu_cached)
-        lookup_id = self._lookup_id(live)
+        hit_tokens = self.hit_tokens(live)
+        skip = whole_chunks(live.gpu_cached)
+        lookup_id = self.lookup_id(live)
         if hit_tokens > live.gpu_cached:
             mask = torch.ones(hit_tokens, dtype=torch.bool)
             mask[:skip] = False
@@ -451,22 +353,22 @@ class Replay:
                 kvcaches=self.workload.kv,
                 req_id=lookup_id,
             )
-            self._count_loaded(live, int(loaded.sum()))
-        self._unpin(live)
+            self.count_loaded(live, int(loaded.sum()))
+        self.unpin(live)
 
-    def _count_loaded(self, live: _Live, tokens: int) -> None:
+    def count_loaded(self, live: Live, tokens: int) -> None:
         """``tokens`` loaded past vLLM's share (from its whole chunks on)
         count as computed."""
         live.loaded_tokens = tokens
         if tokens:
             live.cached = live.computed = max(
-                live.gpu_cached, _whole_chunks(live.gpu_cached) + tokens
+                live.gpu_cached, whole_chunks(live.gpu_cached) + tokens
             )
 
-    def _unpin(self, live: _Live) -> None:
+    def unpin(self, live: Live) -> None:
         """Drop the pins of ``live``'s lookup."""
         assert self.engine is not None
-        self.engine.lookup_unpin(self._lookup_id(live))
+        self.engine.lookup_unpin(self.lookup_id(live))
 
     # ----------------------------------------------------------------- steps
 
@@ -475,7 +377,7 @@ class Replay:
         profile = self.setup.profile
         budget = self.setup.token_budget
         seconds = 0.0
-        chunks: list[tuple[_Live, int]] = []
+        chunks: list[tuple[Live, int]] = []
         for live in self.prefilling:
             # the last prompt token is always computed (vLLM needs its logits)
             left = max(self.requests[live.index].input_length - live.computed, 1)
@@ -496,15 +398,15 @@ class Replay:
             if live.computed >= request.input_length:
                 self._prefilled(live)
 
-    def _prefilled(self, live: _Live) -> None:
+    def _prefilled(self, live: Live) -> None:
         """Store the new KV (what vLLM's LMCache connector saves), first token."""
         self.prefilling.remove(live)
         tokens = self.workload.tokens[live.index]
-        skip = _whole_chunks(live.cached)
+        skip = whole_chunks(live.cached)
         if self.engine is not None and len(tokens) - skip >= CHUNK_TOKENS:
             mask = torch.ones(len(tokens), dtype=torch.bool)
             mask[:skip] = False
-            with self._real_work():
+            with self.real_work():
                 self.engine.store(tokens, mask=mask, kvcaches=self.workload.kv)
         live.first_token = self.gpu + self.setup.profile.request_latency_s
         live.output_left = self.requests[live.index].output_length - 1
@@ -515,24 +417,21 @@ class Replay:
 
     def _decode_steps(self) -> None:
         """Decode steps up to the next finish, or until an arrival can be
-        admitted, or with prefetching looked up (at the end of the step in
-        progress)."""
+        admitted (at the end of the step in progress)."""
         dt = self.setup.profile.decode_step_s(len(self.decoding), self._context())
         steps = min(live.output_left for live in self.decoding)
         began = self.gpu
         slot_free = len(self.decoding) < self.setup.concurrency
-        if not slot_free and self.prefetching is None:
+        if not slot_free:
             pass  # no slot for an arrival: decode up to the next finish
         elif self.virtual:
             arrival = self._next_arrival()
             if arrival < began + steps * dt:
                 steps = max(1, math.ceil((arrival - began) / dt))
         else:
-            # with prefetching, an arrival is looked up even with no slot free
-            wake = self._to_admit if slot_free else lambda: bool(self.waiting)
             with self.cond:
                 self.cond.wait_for(
-                    lambda: wake() or self.done(),
+                    lambda: self._to_admit() or self.done(),
                     timeout=began + steps * dt - self.now(),
                 )
             steps = min(steps, max(1, math.ceil((self.now() - began) / dt)))
@@ -569,14 +468,14 @@ class Replay:
         else:
             self.lag_max = max(self.lag_max, -delay)
 
-    def _finish(self, live: _Live) -> None:
+    def _finish(self, live: Live) -> None:
         request = self.requests[live.index]
         self.gpu_cache.release(live.index, request)
         on_gpu = live.gpu_cached // CHUNK_TOKENS
         loaded = on_gpu + math.ceil(live.loaded_tokens / CHUNK_TOKENS)
         gpu = {"gpu": on_gpu} if on_gpu else {}
-        # the prefetch read every chunk found (see _prefetch)
-        read = live.hits if self.prefetching is not None else live.hits[on_gpu:loaded]
+        # the prefetch read every chunk found (see PrefetchRoad)
+        read = live.hits if self.road is not None else live.hits[on_gpu:loaded]
         self.records[live.index] = RequestRecord(
             arrival=live.arrival,
             scheduled=live.scheduled,

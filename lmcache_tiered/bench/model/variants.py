@@ -54,6 +54,7 @@ from lmcache_tiered.storage.adapter_tier import AdapterTier
 from lmcache_tiered.storage.tier import Tier
 from lmcache_tiered.storage.tierfiles import SHARED_FILE_SYSTEM_WARNING
 from lmcache_tiered.testing.lmcache import LMCacheEngine, read_disk_backend_keys_in_turn
+from lmcache_tiered.warmup.policies import HintedPolicy
 
 #: A variant named again runs again as NAME#2, NAME#3, ...: ``none,none`` is
 #: an A/A pair whose paired change is the bench's own run-to-run noise.
@@ -152,10 +153,14 @@ def engine_config(name: str, setup: Setup, dirs: VariantDirs) -> LMCacheEngineCo
             "tiered.warm.capacity_gb": setup.warm_gb,
             "tiered.io_engine": setup.io_engine,
             "tiered.warmup.policy": policy,
-            # arrival hints reach the backend over loopback HTTP, as deployed
-            "tiered.warmup.hint_port": 0,
         }
     )
+    if setup.prefetch_road:
+        # lmcache server's adapter: no hot tier below its L1, no hint endpoint
+        extra["tiered.warmup.hot_fraction"] = 0
+    else:
+        # arrival hints reach the backend over loopback HTTP, as deployed
+        extra["tiered.warmup.hint_port"] = 0
     if dirs.cold:
         extra["tiered.cold.paths"] = dirs.cold
         extra["tiered.cold.capacity_gb"] = setup.cold_gb
@@ -286,6 +291,8 @@ def run_variant(
                 hints=None
                 if backend is None or backend.hint_server is None
                 else HintForwarder(targets_from(backend.hint_server.url)),
+                # lmcache server's road: hints are its warm prefetches
+                warm_prefetches=policy == HintedPolicy.name and setup.prefetch_road,
             )
             if setup.restart and policy == ALL_HOT:
                 # the bound holds in HBM all that the others hold on drives
