@@ -15,6 +15,7 @@ import threading
 import types
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +29,8 @@ from lmcache_tiered.bench.serve import (
     serve_report,
     servers,
 )
+from lmcache_tiered.bench.serve.setup import ServeSetup
+from lmcache_tiered.bench.serve.tiny_model import TinyLlama
 from lmcache_tiered.cli import main
 from lmcache_tiered.testing.ports import free_port
 
@@ -425,6 +428,47 @@ def test_restart_fills_only_the_variants_whose_l2_outlives_their_servers() -> No
     )
     assert not serve_bench.restarts("no_external_cache")
     assert not serve_bench.restarts("vllm_offload")
+
+
+def cold_setup(tmp_path: Path) -> ServeSetup:
+    """A setup with two warm drives and one cold one (no server started)."""
+    drives = [tmp_path / name for name in ("w0", "w1", "c0")]
+    for d in drives:
+        d.mkdir()
+    return ServeSetup(
+        model_dir=tmp_path / "model",
+        model=TinyLlama.for_this_cpu(512),
+        warm=tuple(drives[:2]),
+        concurrency=4,
+        token_budget=2048,
+        kv_cache_gb=1.0,
+        l1_gb=0.5,
+        warm_gb=0.25,
+        max_model_len=4096,
+        logs=tmp_path,
+        cold=tuple(drives[2:]),
+        cold_gb=4.0,
+    )
+
+
+def test_a_cold_tier_goes_below_warm_and_holds_the_stock_adapter(
+    tmp_path: Path,
+) -> None:
+    """--cold: the tiered variants get a cold tier on those drives (warm's
+    evictions demoted there), and LMCache's fs adapter sits on the first
+    cold drive, where the fleet's KV is; every directory goes afterwards."""
+    setup = cold_setup(tmp_path)
+    with serve_bench.variant_dirs("tiered_hinted", setup) as drives:
+        assert [d.parent for d in drives.warm] == list(setup.warm)
+        assert [d.parent for d in drives.cold] == list(setup.cold)
+        params = serve_bench._adapter("tiered_hinted", setup, drives)["adapter_params"]
+        assert params["warmup.policy"] == "hinted"
+        assert params["warm.paths"] == [str(d) for d in drives.warm]
+        assert params["cold.paths"] == [str(d) for d in drives.cold]
+        assert (params["warm.capacity_gb"], params["cold.capacity_gb"]) == (0.25, 4.0)
+        stock = serve_bench._adapter("lmcache_stock", setup, drives)
+        assert stock["base_path"] == str(drives.cold[0])
+    assert not any(d.exists() for d in drives.all)
 
 
 def test_calibration_measures_every_length_once_a_round(stub: StreamingStub) -> None:

@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "temporary directory)",
     )
     run.add_argument(
+        "--cold",
+        metavar="DIRS",
+        help="comma-separated directories of a cold tier below warm, one per "
+        "drive (the fleet's NVMe-oF; on the rig, drives capped slower than "
+        "warm): the tiered variants demote warm's evictions there, and "
+        "lmcache_stock keeps its fs adapter on the first (default: none)",
+    )
+    run.add_argument(
         "--variants",
         default=DEFAULT_VARIANTS_TEXT,
         help=f"comma-separated (default: {DEFAULT_VARIANTS_TEXT}; vllm_offload "
@@ -88,7 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warm-gb",
         type=float,
         default=8.0,
-        help="capacity of the disk tiers, all drives together (default: 8)",
+        help="capacity of the warm tier (of every disk tier without --cold), "
+        "all drives together (default: 8); below the workload's distinct KV, "
+        "returning sessions find theirs in cold",
+    )
+    run.add_argument(
+        "--cold-gb",
+        type=float,
+        default=32.0,
+        help="capacity of the cold tier, all drives together (default: 32)",
     )
     run.add_argument(
         "--restart",

@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,9 @@ from lmcache_tiered.bench.serve.options import (
 from lmcache_tiered.bench.serve.serve_report import describe, report, summarize
 from lmcache_tiered.bench.serve.setup import ServeSetup, kv_cache_tokens
 from lmcache_tiered.bench.serve.tiny_model import TinyLlama
+from lmcache_tiered.integration.vllm_plugin import ENV_PREFETCH_URL
 from lmcache_tiered.testing.ports import free_port
+from lmcache_tiered.warmup.policies import HintedPolicy
 
 #: vLLM 0.32's OffloadingConnector on a CPU platform (its worker's words)
 OFFLOAD_ON_CPU = "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
@@ -107,19 +109,39 @@ def kind(name: str) -> str:
     return name.split("#", 1)[0]
 
 
-def _adapter(name: str, setup: ServeSetup, dirs: Sequence[Path]) -> dict[str, Any]:
-    """``lmcache server``'s ``--l2-adapter`` for a variant that has one."""
+@dataclass(frozen=True, slots=True)
+class Drives:
+    """One variant's directories on the warm drives and the cold ones."""
+
+    warm: list[Path]
+    cold: list[Path]
+
+    @property
+    def all(self) -> list[Path]:
+        return self.warm + self.cold
+
+
+def _adapter(name: str, setup: ServeSetup, drives: Drives) -> dict[str, Any]:
+    """``lmcache server``'s ``--l2-adapter`` for a variant that has one. The
+    stock one is LMCache's ``fs`` on the first cold drive where there is a
+    cold tier (the fleet's storage, where a user keeps KV today), else on the
+    first warm one."""
     if name == LMCACHE_STOCK:
-        return {"type": "fs", "base_path": str(dirs[0]), "use_odirect": True}
+        base = (drives.cold or drives.warm)[0]
+        return {"type": "fs", "base_path": str(base), "use_odirect": True}
+    params: dict[str, Any] = {
+        "warm.paths": [str(d) for d in drives.warm],
+        "warm.capacity_gb": setup.warm_gb,
+        "warmup.policy": name.removeprefix(f"{TIERED}_"),
+    }
+    if drives.cold:
+        params["cold.paths"] = [str(d) for d in drives.cold]
+        params["cold.capacity_gb"] = setup.cold_gb
     return {
         "type": "plugin",
         "module_path": "lmcache_tiered.mp",
         "class_name": "TieredL2Adapter",
-        "adapter_params": {
-            "warm.paths": [str(d) for d in dirs],
-            "warm.capacity_gb": setup.warm_gb,
-            "warmup.policy": name.removeprefix(f"{TIERED}_"),
-        },
+        "adapter_params": params,
     }
 
 
@@ -137,34 +159,46 @@ def _offload_connector(setup: ServeSetup, directory: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def variant_dirs(name: str, warm: Sequence[Path]) -> Iterator[list[Path]]:
+def variant_dirs(name: str, setup: ServeSetup) -> Iterator[Drives]:
     """A fresh subdirectory per drive for one variant, removed afterwards."""
-    dirs = [Path(tempfile.mkdtemp(prefix=f"serve-bench-{name}-", dir=w)) for w in warm]
+
+    def fresh(drives: Sequence[Path]) -> list[Path]:
+        return [
+            Path(tempfile.mkdtemp(prefix=f"serve-bench-{name}-", dir=d)) for d in drives
+        ]
+
+    drives = Drives(fresh(setup.warm), fresh(setup.cold))
     try:
-        yield dirs
+        yield drives
     finally:
-        for d in dirs:
+        for d in drives.all:
             shutil.rmtree(d, ignore_errors=True)
 
 
 @contextmanager
 def serving(
-    name: str, setup: ServeSetup, dirs: Sequence[Path], label: str | None = None
+    name: str, setup: ServeSetup, drives: Drives, label: str | None = None
 ) -> Iterator[tuple[str, str | None]]:
-    """The servers of variant ``name`` over its directories ``dirs``: vLLM's
-    URL and, where it has one, the URL of ``lmcache server``'s status. Their
-    logs are named by ``label`` (default: the variant's name)."""
+    """The servers of variant ``name`` over its directories ``drives``:
+    vLLM's URL and, where it has one, the URL of ``lmcache server``'s status.
+    Their logs are named by ``label`` (default: the variant's name). The
+    ``hinted`` policy's vLLM sends each arrival to its server's warm
+    prefetch (``LMCACHE_TIERED_PREFETCH_URL``: the policy has no hints of
+    its own in this road)."""
     variant = kind(name)
     label = label or name
     with ExitStack() as stack:
         status_url = None
         kv_transfer = None
+        hints: dict[str, str] = {}
         if variant == VLLM_OFFLOAD:
-            kv_transfer = _offload_connector(setup, dirs[0])
+            kv_transfer = _offload_connector(setup, drives.warm[0])
         elif variant != NO_EXTERNAL_CACHE:
             port, http_port = free_port(), free_port()
             status_url = f"http://127.0.0.1:{http_port}/status"
-            adapter = _adapter(variant, setup, dirs)
+            adapter = _adapter(variant, setup, drives)
+            if variant == f"{TIERED}_{HintedPolicy.name}":
+                hints[ENV_PREFETCH_URL] = f"http://127.0.0.1:{http_port}"
             command = servers.lmcache_server_command(
                 port, http_port, CHUNK_TOKENS, setup.l1_gb, adapter
             )
@@ -196,7 +230,7 @@ def serving(
                 command,
                 f"{url}/health",
                 setup.logs / f"{label}-vllm.log",
-                servers.vllm_env(setup.kv_cache_gb),
+                servers.vllm_env(setup.kv_cache_gb) | hints,
             )
         )
         yield url, status_url
@@ -235,12 +269,12 @@ def run_variant(
     """One variant on fresh servers and fresh directories (filled first and
     the servers restarted, with ``restart``): its summary, records and
     server status."""
-    with variant_dirs(name, setup.warm) as dirs:
+    with variant_dirs(name, setup) as drives:
         fill = None
         if restart and restarts(name):
-            fill = _fill(name, setup, dirs, requests, progress)
+            fill = _fill(name, setup, drives, requests, progress)
         return {
-            **_timed_run(name, setup, dirs, requests, progress),
+            **_timed_run(name, setup, drives, requests, progress),
             "fill": fill,
         }
 
@@ -248,13 +282,13 @@ def run_variant(
 def _timed_run(
     name: str,
     setup: ServeSetup,
-    dirs: Sequence[Path],
+    drives: Drives,
     requests: Sequence[trace.Request],
     progress: Progress,
 ) -> dict[str, Any]:
     task = progress.add_task(f"{name}: starting servers", total=len(requests))
     began = time.monotonic()
-    with serving(name, setup, dirs) as (url, status_url):
+    with serving(name, setup, drives) as (url, status_url):
         started = time.monotonic() - began
         model = str(setup.model_dir)
         http_replay.warm_up(url, model)
@@ -296,7 +330,7 @@ def fill_requests(requests: Sequence[trace.Request]) -> list[trace.Request]:
 def _fill(
     name: str,
     setup: ServeSetup,
-    dirs: Sequence[Path],
+    drives: Drives,
     requests: Sequence[trace.Request],
     progress: Progress,
 ) -> dict[str, Any]:
@@ -307,7 +341,7 @@ def _fill(
     prompts = fill_requests(requests)
     task = progress.add_task(f"{name}: filling the drives", total=len(prompts))
     began = time.monotonic()
-    with serving(name, setup, dirs, label=f"{name}-fill") as (url, status_url):
+    with serving(name, setup, drives, label=f"{name}-fill") as (url, status_url):
         assert status_url is not None  # restarts() holds only lmcache server
         http_replay.replay(
             url,
@@ -324,7 +358,7 @@ def _fill(
         "prompts": len(prompts),
         "seconds": time.monotonic() - began,
         "drive_bytes": sum(
-            f.stat().st_size for d in dirs for f in d.rglob("*") if f.is_file()
+            f.stat().st_size for d in drives.all for f in d.rglob("*") if f.is_file()
         ),
     }
 
@@ -404,7 +438,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        warm = _warm_dirs(args.warm, scratch)
+        warm = _drive_dirs(args.warm, scratch)
+        cold = _drive_dirs(args.cold, scratch, "--cold")
         logs = Path(args.logs) if args.logs else scratch / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         in_flight = args.concurrency * longest * model.kv_bytes_per_token / 2**30
@@ -420,6 +455,8 @@ def run_command(args: argparse.Namespace) -> int:
             warm_gb=args.warm_gb,
             max_model_len=max_model_len,
             logs=logs,
+            cold=cold,
+            cold_gb=args.cold_gb,
         )
         print(describe(setup, requests, args))
         if args.calibrate:
@@ -492,7 +529,9 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
     (``--loading prefetch``), the same slots and step budget, a CPU tier of
     what its L1 holds (:func:`servers.l1_held_gb`), real bytes (vLLM's own
     KV cache comes with the profile), and ``--restart`` if this run
-    restarted its servers over full drives."""
+    restarted its servers over full drives; with a cold tier, the same
+    capacities and a cold link of the cold drives' cap (GBPS,MS: the rig's,
+    which serve-bench does not know)."""
     workload = ["--trace", args.trace] if args.trace else ["--workload", args.workload]
     if args.limit is not None:
         workload += ["--limit", str(args.limit)]
@@ -506,7 +545,13 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
         + ["--concurrency", str(setup.concurrency)]
         + ["--token-budget", str(setup.token_budget)]
         + ["--hot-gb", f"{servers.l1_held_gb(setup.l1_gb):.3g}"]
-        + ["--cold", "none", "--policies", "none"]
+        + (
+            ["--warm-gb", f"{setup.warm_gb:g}", "--cold-gb", f"{setup.cold_gb:g}"]
+            + ["--cold-link", "GBPS,MS"]
+            if setup.cold
+            else ["--cold", "none"]
+        )
+        + ["--policies", args.policies]
         + (["--restart"] if args.restart else [])
     )
 
@@ -514,8 +559,8 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
 def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:
     """vLLM alone, one request at a time: its rates, printed (and JSON)."""
     with (
-        variant_dirs(NO_EXTERNAL_CACHE, setup.warm) as dirs,
-        serving(NO_EXTERNAL_CACHE, setup, dirs) as (url, _),
+        variant_dirs(NO_EXTERNAL_CACHE, setup) as drives,
+        serving(NO_EXTERNAL_CACHE, setup, drives) as (url, _),
     ):
         rates = calibrate.measure(url, str(setup.model_dir), batch=setup.concurrency)
     print(calibrate.describe(rates))
@@ -542,13 +587,19 @@ def machine() -> str:
     return f"{os.cpu_count()} x {name}"
 
 
-def _warm_dirs(option: str | None, scratch: Path) -> tuple[Path, ...]:
+def _drive_dirs(
+    option: str | None, scratch: Path, flag: str = "--warm"
+) -> tuple[Path, ...]:
+    """The directories ``flag`` names; none given: one in ``scratch`` for
+    warm, none for cold."""
     if not option:
+        if flag != "--warm":
+            return ()
         default = scratch / "warm"
         default.mkdir()
         return (default,)
     dirs = tuple(Path(p).expanduser().resolve() for p in option.split(",") if p)
     for d in dirs:
         if not d.is_dir():
-            raise UsageError(f"--warm: {d} is not a directory")
+            raise UsageError(f"{flag}: {d} is not a directory")
     return dirs

@@ -168,7 +168,14 @@ def describe(
             f"{setup.kv_cache_gb:g} GiB "
             f"({setup.kv_cache_tokens:,} tokens); "
             f"LMCache L1 {setup.l1_gb:g} GiB; drives: "
-            + ", ".join(str(w) for w in setup.warm),
+            + ", ".join(str(w) for w in setup.warm)
+            + (
+                f"; cold ({setup.cold_gb:g} GiB): "
+                + ", ".join(str(c) for c in setup.cold)
+                + f"; warm {setup.warm_gb:g} GiB"
+                if setup.cold
+                else ""
+            ),
         ]
         + (
             [

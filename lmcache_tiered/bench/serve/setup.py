@@ -26,6 +26,9 @@ class ServeSetup:
     warm_gb: float
     max_model_len: int
     logs: Path
+    #: cold tier drives (``--cold``; none: warm only) and their capacity
+    cold: tuple[Path, ...] = ()
+    cold_gb: float = 0.0
 
     @property
     def kv_cache_tokens(self) -> int:
