@@ -150,3 +150,44 @@ def test_store_restart_serves_every_chunk_from_warm(
         # the server's L1 started empty: every chunk came from warm
         assert warm["hits"] == full_chunks() and warm["misses"] == 0
         assert warm["puts"] == 0
+
+
+def test_arrival_hints_warm_the_servers_l1_before_each_lookup(
+    baseline: dict[str, Any], workdir: Path, model_dir: Path
+) -> None:
+    """AsyncLLM (the engine behind ``vllm serve``) with the plugin pointed at
+    the server's HTTP API (``LMCACHE_TIERED_PREFETCH_URL``): each prompt
+    arrives while a busy request holds the one running slot, so vLLM does
+    not look it up yet; its hint becomes the server's warm prefetch, which
+    loads its chunks from our warm tier into the (restarted, empty) L1. Every
+    chunk is read from warm once, and served."""
+    warm_dir = workdir / "mp-hints-warm"
+    warm_dir.mkdir()
+    spec = {"model": str(model_dir), "connector": "mp", "api": "llm"}
+    with lmcache_server("mp-hints-store", workdir, warm_dir, "auto") as (port, http):
+        run_phase("mp-hints-store", workdir, spec | {"mp_port": port})
+        wait_for_chunks(http, full_chunks())
+    with lmcache_server("mp-hints", workdir, warm_dir, "auto") as (port, http):
+        url = f"http://127.0.0.1:{http}"
+        hinted = spec | {
+            "mp_port": port,
+            "api": "async",
+            "busy": 300,
+            "engine_args": {"max_num_seqs": 1},
+        }
+        result, log = run_phase(
+            "mp-hints",
+            workdir,
+            hinted,
+            env=phase_env(LMCACHE_TIERED_PREFETCH_URL=url),
+        )
+        assert f"forwarding vLLM request arrivals to prefetch {url}" in log
+        assert result["ids"] == baseline["ids"]
+        assert result["cached"] == CACHED
+        warm = adapter_status(http)["tiers"]["warm"]
+        # L1 kept what the prefetches loaded until vLLM's lookups took it
+        assert warm["hits"] == full_chunks() and warm["misses"] == 0
+    server_log = (workdir / "mp-hints.log").read_text()
+    # one warm prefetch taken per request (the busy one's has nothing stored)
+    taken = server_log.count('"POST /cache/prefetches HTTP/1.1" 202')
+    assert taken == len(baseline["ids"]) + 1, server_log[-4000:]

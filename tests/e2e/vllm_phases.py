@@ -48,7 +48,13 @@ def phase_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("VLLM_PLUGINS", "LMCACHE_TIERED_HINT_URL", "LMCACHE_CONFIG_FILE")
+        if k
+        not in (
+            "VLLM_PLUGINS",
+            "LMCACHE_TIERED_HINT_URL",
+            "LMCACHE_TIERED_PREFETCH_URL",
+            "LMCACHE_CONFIG_FILE",
+        )
     }
     env.update(
         PYTHONHASHSEED="0",
