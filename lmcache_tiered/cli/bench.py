@@ -10,11 +10,12 @@ LMCache's synchronous loading, its in-process default (``--loading sync``):
   slots free it takes requests from the queue, runs LMCache's lookup for each
   (pinning the hits, as the scheduler does), then retrieves the hits (as the
   worker does at the start of the step, blocking it); with ``--loading
-  prefetch`` (``lmcache server``'s road, which serve-bench times) each
-  request is looked up as it arrives, every chunk found is prefetched off the
-  loop (vLLM's own share too, as the server does), and the request is
-  scheduled once that is done, taking a slot once the chunks past vLLM's
-  share are copied in;
+  prefetch`` (``lmcache server``'s road, which serve-bench times) every
+  waiting request is looked up while a slot is free, every chunk found is
+  prefetched off the loop (vLLM's own share too, as the server does), and
+  the request is scheduled once that is done, taking a slot once the chunks
+  past vLLM's share are copied in; there ``hinted``'s hints are the server's
+  warm prefetches into LMCache's CPU tier;
 - each step computes up to ``--token-budget`` prompt tokens (chunked prefill)
   and one token for every decoding request, for the profile's modelled time,
   slept, so background I/O (writes, demotion, warm-up) overlaps it as on a
