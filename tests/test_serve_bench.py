@@ -29,7 +29,7 @@ from lmcache_tiered.bench.serve import (
     serve_report,
     servers,
 )
-from lmcache_tiered.bench.serve.setup import ServeSetup
+from lmcache_tiered.bench.serve.setup import ServeSetup, variant_dirs
 from lmcache_tiered.bench.serve.tiny_model import TinyLlama
 from lmcache_tiered.cli import main
 from lmcache_tiered.testing.ports import free_port
@@ -458,7 +458,7 @@ def test_a_cold_tier_goes_below_warm_and_holds_the_stock_adapter(
     evictions demoted there), and LMCache's fs adapter sits on the first
     cold drive, where the fleet's KV is; every directory goes afterwards."""
     setup = cold_setup(tmp_path)
-    with serve_bench.variant_dirs("tiered_hinted", setup) as drives:
+    with variant_dirs("tiered_hinted", setup) as drives:
         assert [d.parent for d in drives.warm] == list(setup.warm)
         assert [d.parent for d in drives.cold] == list(setup.cold)
         params = serve_bench._adapter("tiered_hinted", setup, drives)["adapter_params"]

@@ -28,21 +28,51 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from lmcache_tiered import testing
+from lmcache_tiered.bench.model.live import Live
 from lmcache_tiered.bench.model.scenario import CHUNK_TOKENS, whole_chunks
 from lmcache_tiered.integration.hint_targets import Outcome
 from lmcache_tiered.testing.lmcache import LMCacheEngine
 
 if TYPE_CHECKING:
-    from lmcache_tiered.bench.model.serving import Live, Replay
+    import contextlib
+
+    from lmcache_tiered.bench.common.trace import Request
+    from lmcache_tiered.bench.model.baseline import GpuPrefixCache
+    from lmcache_tiered.bench.model.gpu_copies import GpuCopies
+    from lmcache_tiered.bench.model.scenario import Workload
 
 #: Prefetches in flight at once: LMCache's multi-process server's default
 #: (``--l2-prefetch-max-in-flight``); its warm prefetches share them
 PREFETCHES_IN_FLIGHT = 8
+
+
+class Loop(Protocol):
+    """What the road uses of the engine loop
+    (:class:`lmcache_tiered.bench.model.serving.Replay`)."""
+
+    cond: threading.Condition
+    waiting: deque[Live]
+    prefilling: list[Live]
+    gpu: float
+    requests: list[Request]
+    gpu_cache: GpuPrefixCache
+    copies: GpuCopies | None
+    engine: LMCacheEngine | None
+    workload: Workload
+
+    def real_work(self) -> contextlib.AbstractContextManager[None]: ...
+    def lookup(self, live: Live) -> list[str]: ...
+    def unpin(self, live: Live) -> None: ...
+    def take_gpu_share(self, live: Live) -> None: ...
+    def hit_tokens(self, live: Live) -> int: ...
+    def count_loaded(self, live: Live, tokens: int) -> None: ...
+    def lookup_id(self, live: Live) -> str: ...
+    def fail(self, exc: BaseException) -> None: ...
 
 
 class PrefetchRoad:
@@ -50,7 +80,7 @@ class PrefetchRoad:
     (see the module docstring); the replay's engine loop calls
     :meth:`admit` with the slots free."""
 
-    def __init__(self, replay: Replay) -> None:
+    def __init__(self, replay: Loop) -> None:
         self.replay = replay
         self.pool = ThreadPoolExecutor(PREFETCHES_IN_FLIGHT, "bench-prefetch")
         #: requests whose prefetch is done, to be scheduled (vLLM's GPU share

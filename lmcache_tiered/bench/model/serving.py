@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from lmcache_tiered.bench.common.progress import ProgressSink
 from lmcache_tiered.bench.common.report import RequestRecord
 from lmcache_tiered.bench.model.baseline import GpuPrefixCache
 from lmcache_tiered.bench.model.gpu_copies import CopyTime, GpuCopies
+from lmcache_tiered.bench.model.live import Live
 from lmcache_tiered.bench.model.prefetch_road import PrefetchRoad, WarmPrefetch
 from lmcache_tiered.bench.model.scenario import (
     CHUNK_TOKENS,
@@ -41,29 +41,6 @@ from lmcache_tiered.testing.lmcache import LMCacheEngine
 
 #: Where LMCache's lookup reports each backend's hits (StorageManager names).
 _TIER_OF_LOCATION = {testing.CPU_TIER: "hot", testing.DISK_TIER: "warm"}
-
-
-@dataclass(slots=True)
-class Live:
-    """A request in the server (times: GPU clock, wall seconds since start)."""
-
-    index: int
-    arrival: float
-    scheduled: float = 0.0
-    loaded: float = 0.0
-    #: tier of each chunk the lookup found, in prefix order
-    hits: list[str] = field(default_factory=list)
-    #: keys of the chunks the lookup found below LMCache's CPU tier
-    below_cpu: list[Any] = field(default_factory=list)
-    #: prompt tokens vLLM's GPU prefix cache held
-    gpu_cached: int = 0
-    #: prompt tokens LMCache loaded (past the GPU's share, chunk-aligned)
-    loaded_tokens: int = 0
-    cached: int = 0
-    #: prompt tokens computed so far (cached ones included)
-    computed: int = 0
-    output_left: int = 0
-    first_token: float = 0.0
 
 
 class Replay:

@@ -20,13 +20,12 @@ import argparse
 import importlib.util
 import os
 import shlex
-import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,14 @@ from lmcache_tiered.bench.serve.options import (
     VLLM_OFFLOAD,
 )
 from lmcache_tiered.bench.serve.serve_report import describe, report, summarize
-from lmcache_tiered.bench.serve.setup import ServeSetup, kv_cache_tokens
+from lmcache_tiered.bench.serve.setup import (
+    Drives,
+    ServeSetup,
+    UsageError,
+    drive_dirs,
+    kv_cache_tokens,
+    variant_dirs,
+)
 from lmcache_tiered.bench.serve.tiny_model import TinyLlama
 from lmcache_tiered.integration.vllm_plugin import ENV_PREFETCH_URL
 from lmcache_tiered.testing.ports import free_port
@@ -60,10 +66,6 @@ OFFLOAD_ON_CPU = "CPU Offloading is currently only supported on CUDA-alike and X
 STORES_DRAIN_TIMEOUT_S = 900.0
 #: ... and how many polls a second apart must find nothing left to store
 STORES_QUIET_POLLS = 3
-
-
-class UsageError(ValueError):
-    """A setting of the command line is wrong; the message says which."""
 
 
 def variant_names(variants: str, policies: str) -> list[str]:
@@ -109,18 +111,6 @@ def kind(name: str) -> str:
     return name.split("#", 1)[0]
 
 
-@dataclass(frozen=True, slots=True)
-class Drives:
-    """One variant's directories on the warm drives and the cold ones."""
-
-    warm: list[Path]
-    cold: list[Path]
-
-    @property
-    def all(self) -> list[Path]:
-        return self.warm + self.cold
-
-
 def _adapter(name: str, setup: ServeSetup, drives: Drives) -> dict[str, Any]:
     """``lmcache server``'s ``--l2-adapter`` for a variant that has one. The
     stock one is LMCache's ``fs`` on the first cold drive where there is a
@@ -156,23 +146,6 @@ def _offload_connector(setup: ServeSetup, directory: Path) -> dict[str, Any]:
             "secondary_tiers": [{"type": "fs", "root_dir": str(directory)}],
         },
     }
-
-
-@contextmanager
-def variant_dirs(name: str, setup: ServeSetup) -> Iterator[Drives]:
-    """A fresh subdirectory per drive for one variant, removed afterwards."""
-
-    def fresh(drives: Sequence[Path]) -> list[Path]:
-        return [
-            Path(tempfile.mkdtemp(prefix=f"serve-bench-{name}-", dir=d)) for d in drives
-        ]
-
-    drives = Drives(fresh(setup.warm), fresh(setup.cold))
-    try:
-        yield drives
-    finally:
-        for d in drives.all:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 @contextmanager
@@ -438,8 +411,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        warm = _drive_dirs(args.warm, scratch)
-        cold = _drive_dirs(args.cold, scratch, "--cold")
+        warm = drive_dirs(args.warm, scratch)
+        cold = drive_dirs(args.cold, scratch, "--cold")
         logs = Path(args.logs) if args.logs else scratch / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         in_flight = args.concurrency * longest * model.kv_bytes_per_token / 2**30
@@ -585,21 +558,3 @@ def machine() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} x {name}"
-
-
-def _drive_dirs(
-    option: str | None, scratch: Path, flag: str = "--warm"
-) -> tuple[Path, ...]:
-    """The directories ``flag`` names; none given: one in ``scratch`` for
-    warm, none for cold."""
-    if not option:
-        if flag != "--warm":
-            return ()
-        default = scratch / "warm"
-        default.mkdir()
-        return (default,)
-    dirs = tuple(Path(p).expanduser().resolve() for p in option.split(",") if p)
-    for d in dirs:
-        if not d.is_dir():
-            raise UsageError(f"{flag}: {d} is not a directory")
-    return dirs
