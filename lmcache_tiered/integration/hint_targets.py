@@ -24,13 +24,11 @@ every one of its processes.
 
 from __future__ import annotations
 
-import logging
+import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from lmcache_tiered.warmup.hints import post_json, send_hint
-
-logger = logging.getLogger("lmcache_tiered")
 
 #: What became of one hint at one target: taken (``submitted``), taken with
 #: nothing to do (``noop``: shorter than a chunk), refused by the target with
@@ -97,6 +95,15 @@ def key_space(engine_config: Any, servers: int) -> KeySpace:
     return KeySpace(str(model.model), world)
 
 
+def _status_of(reply: str) -> str | None:
+    """The ``status`` of a JSON reply (None if it is not one)."""
+    try:
+        body = json.loads(reply)
+    except ValueError:
+        return None
+    return body.get("status") if isinstance(body, dict) else None
+
+
 @dataclass
 class ServerPrefetch:
     """A warm prefetch (L2 -> L1) on one LMCache server, from its HTTP API
@@ -129,5 +136,6 @@ class ServerPrefetch:
         if status is None:
             return "failed", reply
         if 200 <= status < 300:
-            return ("noop" if '"noop"' in reply else "submitted"), ""
+            # {"chunks": 0, "status": "noop"}: shorter than a chunk
+            return ("noop" if _status_of(reply) == "noop" else "submitted"), ""
         return "refused", f"HTTP {status}: {reply}"
