@@ -94,6 +94,8 @@ class MpClient(Driver):
         self.connector = CPUConnector(2, 2, 64, torch.bfloat16)
         server = spec["server"]
         self.http = f"http://127.0.0.1:{server['http_port']}"
+        # straight to the loopback server, whatever proxy the environment names
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         url = f"tcp://127.0.0.1:{server['port']}"
         strategy = ParallelStrategy(
             mla_only=False,
@@ -276,7 +278,7 @@ class MpClient(Driver):
             data=None if body is None else json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(request, timeout=10) as answer:
+        with self._opener.open(request, timeout=10) as answer:
             return json.load(answer)
 
     def state(self) -> dict[str, Any]:
