@@ -81,23 +81,31 @@ def samples(rss_mib: list[int], files: int = 20, threads: int = 20) -> list[Samp
 
 
 def test_the_verdict_fails_growth_stalls_and_deaths_and_passes_a_plateau() -> None:
-    flat = SoakResult(duration_s=90, faults_asked={}, requests=10, stopped_in_s=1)
+    flat = SoakResult(
+        duration_s=90, faults_asked={}, requests=10, acked=10, stopped_in_s=1
+    )
     flat.samples = samples([400, 500, 520, 510, 515, 520, 518, 519, 521])
     assert verdict(flat, stall_s=2) == []
-    leak = SoakResult(duration_s=90, faults_asked={}, requests=10, stopped_in_s=1)
+    leak = SoakResult(
+        duration_s=90, faults_asked={}, requests=10, acked=10, stopped_in_s=1
+    )
     leak.samples = samples([400, 450, 500, 550, 600, 650, 700, 750, 800])
     assert verdict(leak, stall_s=2) == ["RSS grew: 650 -> 800 MiB"]
     outage = Fault(start=30, end=40, kind="store", what="SIGSTOP 10 s")
-    stalls = SoakResult(duration_s=90, faults_asked={}, requests=10, stopped_in_s=1)
+    stalls = SoakResult(
+        duration_s=90, faults_asked={}, requests=10, acked=10, stopped_in_s=1
+    )
     stalls.faults = [outage]
     stalls.stalls = [(35.0, 5.0)]  # the one the outage may cost
     assert verdict(stalls, stall_s=2) == []
     stalls.stalls.append((70.0, 3.0))
     assert verdict(stalls, stall_s=2) == ["1 reads over 2 s outside store outages"]
-    died = SoakResult(duration_s=90, faults_asked={}, requests=10, deaths=[(5, -11)])
+    died = SoakResult(
+        duration_s=90, faults_asked={}, requests=10, acked=10, deaths=[(5, -11)]
+    )
     assert verdict(died, stall_s=2) == [
         "1 worker deaths (exit -11)",
-        "the last worker did not close its engine (killed)",
+        "the last worker did not close (killed)",
     ]
 
 
@@ -109,10 +117,14 @@ def test_files_and_threads_a_store_fault_holds_are_not_a_leak() -> None:
     full = Fault(start=70, end=80, kind="store", what="full, writes refused 10 s")
     bump = samples([500] * 10, files=20, threads=20)
     bump[8] = Sample(t=80.0, rss=500 << 20, files=40, threads=40, requests=8)
-    during = SoakResult(duration_s=90, faults_asked={}, requests=10, stopped_in_s=1)
+    during = SoakResult(
+        duration_s=90, faults_asked={}, requests=10, acked=10, stopped_in_s=1
+    )
     during.samples, during.faults = bump, [full]
     assert verdict(during, stall_s=2) == []
-    after = SoakResult(duration_s=90, faults_asked={}, requests=10, stopped_in_s=1)
+    after = SoakResult(
+        duration_s=90, faults_asked={}, requests=10, acked=10, stopped_in_s=1
+    )
     after.samples = bump
     assert verdict(after, stall_s=2) == [
         "files grew: 20 -> 40",

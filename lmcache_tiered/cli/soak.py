@@ -12,6 +12,10 @@ draws them with the faults (:mod:`lmcache_tiered.soak.report`).
 
     lmcache-tiered soak --duration 72h --faults kill=1h,store=20m,damage=5m
 
+With ``--mp`` the process under test is ``lmcache server`` with
+``TieredL2Adapter``, driven through LMCache's multi-process client
+(:mod:`lmcache_tiered.soak.mp_client`); the faults and the verdict are the same.
+
 May touch: the directories it is given (``--dir``, ``--warm``), removed at
 the end unless given; the redis-server it starts; the report files it is told.
 """
@@ -85,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dir", help="scratch directory (default: a new temp one)")
     parser.add_argument(
+        "--mp",
+        action="store_true",
+        help="run lmcache server with TieredL2Adapter, driven by LMCache's "
+        "multi-process client (what vLLM's LMCacheMPConnector sends), instead "
+        "of the in-process plugin",
+    )
+    parser.add_argument(
         "--conversations",
         type=int,
         default=96,
@@ -100,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hot-gb",
         type=float,
         default=0.25,
-        help="LMCache's CPU tier: about half the conversations (default 0.25)",
+        help="LMCache's CPU tier (with --mp the server's L1): about half the "
+        "conversations (default 0.25)",
     )
     parser.add_argument(
         "--warm-gb",

@@ -1,30 +1,28 @@
-"""What ``lmcache-tiered soak`` runs: a worker under load, faults on a
-schedule, samples, and the verdict. Its options and help text are in
-:mod:`lmcache_tiered.cli.soak`.
+"""What ``lmcache-tiered soak`` runs: a worker under load (the in-process
+plugin; with ``--mp`` ``lmcache server`` and the client that drives it),
+faults on a schedule, samples, and the verdict. Its options and help text
+are in :mod:`lmcache_tiered.cli.soak`.
 
 May touch: the directories it is given (``--dir``, ``--warm``), removed at
-the end unless given; the redis-server it starts; the report files it is told.
+the end unless given; the redis-server and lmcache servers it starts; the
+report files it is told.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import queue
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from lmcache_tiered.config import plugin_extra_config
+from lmcache_tiered.config import PREFIX, plugin_extra_config
+from lmcache_tiered.soak.processes import MpWorker, WorkerProcess
 from lmcache_tiered.soak.redis_server import RedisServer
 from lmcache_tiered.soak.report import BACK_S, Fault, Sample, SoakResult, report
 from lmcache_tiered.soak.workload import CHUNK_TOKENS, Conversations
@@ -39,55 +37,20 @@ MAX_ERRORS_KEPT = 50
 PROGRESS_LINES, PROGRESS_MAX_S = 12, 600.0
 
 
-# ------------------------------------------------------------------ worker
-
-
-class WorkerProcess:
-    """One worker: started on a spec file, its JSON lines on a queue."""
-
-    def __init__(self, spec: dict[str, Any], scratch: Path, log: IO[bytes]) -> None:
-        path = scratch / "worker.json"
-        path.write_text(json.dumps(spec))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache_tiered.soak.worker", str(path)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-        )
-        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        #: it checked what was acknowledged before and serves (its samples count)
-        self.ready = False
-        #: damaged records it found (a checksum that failed)
-        self.corrupt = 0
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with contextlib.suppress(ValueError):
-                self.lines.put(json.loads(line))
-        self.lines.put(None)  # its end
-
-    def usage(self) -> tuple[int, int, int] | None:
-        """(RSS bytes, open files, threads) from /proc; None once it is gone."""
-        pid = self.proc.pid
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            files = len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            return None
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        rss = int(fields["VmRSS"].split()[0]) * 1024 if "VmRSS" in fields else 0
-        return rss, files, int(fields["Threads"])
-
-
 class Soak:
-    """The run: the schedule, the worker's lines, the samples."""
+    """The run: the schedule, the worker's lines, the samples. The worker
+    is the in-process plugin, or with ``--mp`` ``lmcache server`` and its
+    client (:mod:`lmcache_tiered.soak.processes`)."""
 
     def __init__(self, args: argparse.Namespace, scratch: Path) -> None:
         self.args = args
         self.scratch = scratch
         self.conversations = Conversations(args.conversations, args.blocks, args.seed)
-        self.result = SoakResult(duration_s=args.duration, faults_asked=args.faults)
+        self.result = SoakResult(
+            duration_s=args.duration,
+            faults_asked=args.faults,
+            subject="lmcache server" if args.mp else "worker",
+        )
         self.acked: dict[str, int] = {}
         #: conversations whose last chunk at that depth the worker damaged
         self.damaged: dict[str, int] = {}
@@ -102,46 +65,71 @@ class Soak:
         self.warm = args.warm or [str(scratch / "warm")]
         for path in self.warm:
             os.makedirs(path, exist_ok=True)
+        # with --mp the server's log and the client's
         self.log = open(scratch / "worker.log", "ab")  # noqa: SIM115 (closed in run)
+        #: the worker checked what was acknowledged before and serves (its
+        #: samples count); the damaged records it found
+        self.ready = False
+        self.corrupt = 0
         self.started = time.monotonic()
         #: the same instant on the wall clock, which the worker's lines carry
         self.started_wall = time.time()
-        self.worker = self._start_worker()
+        try:
+            self.worker = self._start_worker()
+        except BaseException:
+            self.log.close()
+            if self.store is not None:
+                self.store.kill()
+            raise
 
     # ---------------------------------------------------------- the worker
 
-    def _extra_config(self) -> dict[str, Any]:
+    def _settings(self) -> dict[str, Any]:
+        """The tiers' settings (``tiered.*`` without the prefix): warm on the
+        directories, cold on the store, written through; both hold it all."""
         capacity_gb = self.args.warm_gb or (
             1.25 * self.conversations.chunk_count * _CHUNK_DISK_BYTES / 2**30
         )
-        extra = plugin_extra_config(
-            {"tiered.warm.paths": self.warm, "tiered.warm.capacity_gb": capacity_gb}
-        )
+        settings = {"warm.paths": self.warm, "warm.capacity_gb": capacity_gb}
         if self.store is not None:
-            extra["tiered.cold.adapter"] = self.store.spec
-            extra["tiered.cold.capacity_gb"] = capacity_gb
-            extra["tiered.cold.write"] = "through"
-        return extra
+            settings["cold.adapter"] = self.store.spec
+            settings["cold.capacity_gb"] = capacity_gb
+            settings["cold.write"] = "through"
+        return settings
 
-    def _start_worker(self) -> WorkerProcess:
+    def _start_worker(self) -> WorkerProcess | MpWorker:
+        self.ready = False
+        self.corrupt = 0
         spec = {
             "conversations": {
                 "count": self.conversations.count,
                 "blocks": self.conversations.blocks,
                 "seed": self.conversations.seed,
             },
-            "hot_gb": self.args.hot_gb,
-            "extra_config": self._extra_config(),
             "acked": self.acked,
             "damaged": self.damaged,
             # a new worker does not replay what the last one did
             "first_request": self.requests + 1_000_000 * self.result.restarts,
         }
-        return WorkerProcess(spec, self.scratch, self.log)
+        settings = self._settings()
+        if self.args.mp:
+            adapter = {
+                "type": "plugin",
+                "module_path": "lmcache_tiered.mp",
+                "class_name": "TieredL2Adapter",
+                "adapter_params": settings,
+            }
+            spec["warm"] = {"paths": self.warm}
+            return MpWorker(adapter, self.args.hot_gb, spec, self.scratch, self.log)
+        spec["hot_gb"] = self.args.hot_gb
+        spec["extra_config"] = plugin_extra_config(
+            {PREFIX + k: v for k, v in settings.items()}
+        )
+        return WorkerProcess("lmcache_tiered.soak.worker", spec, self.scratch, self.log)
 
     def _restart(self) -> None:
         """A new worker for one that ended (its counts kept)."""
-        self.result.corrupt_seen += self.worker.corrupt
+        self.result.corrupt_seen += self.corrupt
         self.result.restarts += 1
         self.worker = self._start_worker()
 
@@ -158,7 +146,7 @@ class Soak:
             self.requests += line["ops"]
             result.requests += line["ops"]
             result.wrong_chunks += line["wrong_chunks"]
-            self.worker.corrupt = line["corrupt"]
+            self.corrupt = line["corrupt"]
             result.slowest_read_s = max(result.slowest_read_s, line["slowest_read_s"])
             cold = line["degraded"].get("cold") or line["refused"].get("cold")
             # when the worker said it: a killed or closing worker's last
@@ -168,7 +156,7 @@ class Soak:
             if line["slowest_read_s"] > self.args.stall:
                 result.stalls.append((said, line["slowest_read_s"]))
         elif kind == "ready":
-            self.worker.ready = True
+            self.ready = True
             result.checked_chunks += line["checked_chunks"]
             result.lost_chunks += line["lost_chunks"]
             if line["lost_conversations"]:
@@ -207,11 +195,15 @@ class Soak:
             try:
                 line = self.worker.lines.get(timeout=min(left, 0.5))
             except queue.Empty:
-                continue
-            if line is not None:
-                self._handle(line)
-                continue
-            code = self.worker.proc.wait()
+                if (code := self.worker.died()) is None:
+                    continue
+            else:
+                if line is not None:
+                    self._handle(line)
+                    continue
+                code = self.worker.wait()
+            self.worker.kill()  # what is left of it (an MP worker's other half)
+            self._drain_until_end()
             self.result.deaths.append((self.elapsed(), code))
             self._restart()
 
@@ -221,14 +213,14 @@ class Soak:
         """Inject one fault; what it was, for the picture and the report."""
         start = self.elapsed()
         if kind == "kill":
-            self.worker.proc.kill()
+            self.worker.kill()
             self._drain_until_end()
             self._restart()
             return Fault(start, self.elapsed(), "kill", "SIGKILL, restarted")
         if kind == "damage":
-            if not self.worker.ready:  # SIGUSR1 would kill it: no handler yet
+            if not self.ready:  # SIGUSR1 would kill it: no handler yet
                 return Fault(start, start, "damage", "skipped: the worker was starting")
-            self.worker.proc.send_signal(signal.SIGUSR1)
+            self.worker.damage()
             return Fault(start, start, "damage", "a payload byte flipped")
         assert self.store is not None
         self.store_down = True
@@ -251,8 +243,7 @@ class Soak:
         return Fault(start, self.elapsed(), "store", what)
 
     def _drain_until_end(self) -> None:
-        """Handle the killed worker's last lines."""
-        self.worker.proc.wait()
+        """Handle the ended worker's last lines."""
         while (line := self.worker.lines.get()) is not None:
             self._handle(line)
 
@@ -296,7 +287,7 @@ class Soak:
         return self.result
 
     def _sample(self) -> None:
-        usage = self.worker.usage() if self.worker.ready else None
+        usage = self.worker.usage() if self.ready else None
         if usage is not None:
             rss, files, threads = usage
             self.result.samples.append(
@@ -321,24 +312,17 @@ class Soak:
         )
 
     def _stop_worker(self) -> None:
-        """SIGTERM: the worker destroys its engine (a clean close), then its
-        last lines are handled."""
-        asked = time.monotonic()
-        self.worker.proc.send_signal(signal.SIGTERM)
-        try:
-            self.worker.proc.wait(timeout=STOP_S)
-            self.result.stopped_in_s = time.monotonic() - asked
-        except subprocess.TimeoutExpired:
-            self.worker.proc.kill()
+        """SIGTERM: the worker destroys its engine, or the server closes its
+        adapter (a clean close), then its last lines are handled."""
+        self.result.stopped_in_s = self.worker.stop(STOP_S)
         self._drain_until_end()
-        self.result.corrupt_seen += self.worker.corrupt
-        if self.worker.proc.returncode not in (0, -signal.SIGTERM):
-            self.result.deaths.append((self.elapsed(), self.worker.proc.returncode))
+        self.result.corrupt_seen += self.corrupt
+        code = self.worker.returncode
+        if code is not None and code not in (0, -signal.SIGTERM):
+            self.result.deaths.append((self.elapsed(), code))
 
     def close(self) -> None:
-        if self.worker.proc.poll() is None:
-            self.worker.proc.kill()
-            self.worker.proc.wait()
+        self.worker.kill()
         if self.store is not None:
             self.store.signal(signal.SIGCONT)
             self.store.kill()
@@ -355,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"soak: {args.duration / 60:g} min, faults "
         f"{', '.join(f'{k} every {p:g} s' for k, p in args.faults.items()) or 'none'}"
-        f", store {soak.result.store}; worker log {scratch / 'worker.log'}",
+        f", store {soak.result.store}, {soak.result.subject} under test; "
+        f"log {scratch / 'worker.log'}",
         flush=True,
     )
     try:

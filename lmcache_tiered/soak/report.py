@@ -58,6 +58,8 @@ class SoakResult:
 
     duration_s: float
     faults_asked: dict[str, float]
+    #: the process under test: the in-process "worker" or "lmcache server"
+    subject: str = "worker"
     store: str = "none"
     requests: int = 0
     acked: int = 0
@@ -103,6 +105,11 @@ def _growth(result: SoakResult, value: str) -> tuple[float, float]:
     return float(max(before, default=0)), float(max(last, default=0))
 
 
+def _mode(result: SoakResult) -> str:
+    """`` --mp`` for a soak of ``lmcache server``, else nothing."""
+    return "" if result.subject == "worker" else " --mp"
+
+
 def _fault_counts(faults: list[Fault]) -> str:
     """``2 kill (SIGKILL, restarted), 3 damage (...)``: each kind and variant
     once, however long the run (the times are in the JSON and the picture)."""
@@ -125,7 +132,9 @@ def verdict(result: SoakResult, stall_s: float) -> list[str]:
     if result.lost_chunks:
         why.append(f"{result.lost_chunks} acknowledged chunks lost")
     if result.deaths:
-        why.append(f"{len(result.deaths)} worker deaths (exit {result.deaths[0][1]})")
+        why.append(
+            f"{len(result.deaths)} {result.subject} deaths (exit {result.deaths[0][1]})"
+        )
     outages = [f for f in result.faults if f.kind == "store"]
     in_outage = stalls_in(result, outages)
     outside = len(result.stalls) - len(in_outage)
@@ -145,9 +154,12 @@ def verdict(result: SoakResult, stall_s: float) -> list[str]:
         if last > before + slack:
             why.append(f"{value} grew: {before:.0f} -> {last:.0f}")
     if result.stopped_in_s is None:
-        why.append("the last worker did not close its engine (killed)")
+        why.append(f"the last {result.subject} did not close (killed)")
     if result.requests == 0:
         why.append("no request was served")
+    elif result.acked == 0:
+        # nothing acknowledged, nothing checked: a pass would say nothing
+        why.append("no put was acknowledged")
     return why
 
 
@@ -156,7 +168,7 @@ def report(result: SoakResult, args: argparse.Namespace, log: Path) -> bool:
     whether the soak passed."""
     failures = verdict(result, args.stall)
     console = Console()
-    table = Table(title=f"soak, {result.duration_s / 60:g} min")
+    table = Table(title=f"soak{_mode(result)}, {result.duration_s / 60:g} min")
     table.add_column("what")
     table.add_column("figure", justify="right")
     rss = [s.rss for s in result.samples] or [0]
@@ -173,9 +185,12 @@ def report(result: SoakResult, args: argparse.Namespace, log: Path) -> bool:
             f"{len(result.stalls)} ({len(stalls_in(result, outages))})",
         ),
         ("slowest read (s)", f"{result.slowest_read_s:.2f}"),
-        ("worker restarts / deaths", f"{result.restarts} / {len(result.deaths)}"),
         (
-            "last worker's clean close (s)",
+            f"{result.subject} restarts / deaths",
+            f"{result.restarts} / {len(result.deaths)}",
+        ),
+        (
+            f"last {result.subject}'s clean close (s)",
             "hung" if result.stopped_in_s is None else f"{result.stopped_in_s:.1f}",
         ),
         ("store", result.store),
@@ -228,7 +243,9 @@ def draw(result: SoakResult, path: str, failures: list[str]) -> None:
             axis.axvline(fault.start / 60, color=colors[fault.kind], alpha=0.5, lw=0.8)
     axes[-1].set_xlabel("minutes (faults: red kill, orange store, purple damage)")
     state = "FAIL: " + "; ".join(failures) if failures else "PASS"
-    figure.suptitle(f"lmcache-tiered soak, {result.duration_s / 60:g} min: {state}")
+    figure.suptitle(
+        f"lmcache-tiered soak{_mode(result)}, {result.duration_s / 60:g} min: {state}"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
