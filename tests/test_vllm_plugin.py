@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import logging
 import os
 import subprocess
@@ -17,7 +16,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,6 +34,7 @@ from lmcache_tiered.integration.vllm_plugin import (
     install_hook,
     targets_from,
 )
+from lmcache_tiered.testing.lmcache import lmcache_server_command
 from lmcache_tiered.testing.ports import free_port
 from lmcache_tiered.warmup.hints import HintServer
 
@@ -225,14 +224,7 @@ def lmcache_http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         },
     }
     http_port = free_port()
-    command = [
-        str(Path(sys.executable).with_name("lmcache")), "server",
-        "--host", "127.0.0.1", "--port", str(free_port()),
-        "--l1-size-gb", "0.05", "--eviction-policy", "LRU",
-        "--http-port", str(http_port),
-        "--prometheus-port", str(free_port()),
-        "--l2-adapter", json.dumps(adapter),
-    ]  # fmt: skip
+    command = lmcache_server_command(free_port(), http_port, 256, 0.05, adapter)
     log = (workdir / "server.log").open("w")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{http_port}"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lmcache_tiered.soak.workload import CHUNK_TOKENS
+from lmcache_tiered.testing.lmcache import lmcache_server_command
 from lmcache_tiered.testing.ports import free_port
 
 #: Seconds a started ``lmcache server`` has to answer ``/status``.
@@ -121,15 +122,7 @@ class MpWorker:
         log: IO[bytes],
     ) -> None:
         port, http_port = free_port(), free_port()
-        command = [
-            str(Path(sys.executable).with_name("lmcache")), "server",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--chunk-size", str(CHUNK_TOKENS),
-            "--l1-size-gb", f"{l1_gb:g}", "--eviction-policy", "LRU",
-            "--supported-transfer-mode", "auto",
-            "--http-port", str(http_port), "--prometheus-port", str(free_port()),
-            "--l2-adapter", json.dumps(adapter),
-        ]  # fmt: skip
+        command = lmcache_server_command(port, http_port, CHUNK_TOKENS, l1_gb, adapter)
         env = {**os.environ, **QUIET}
         self.server = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env

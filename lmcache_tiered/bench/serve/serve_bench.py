@@ -55,6 +55,7 @@ from lmcache_tiered.bench.serve.setup import (
 )
 from lmcache_tiered.bench.serve.tiny_model import TinyLlama
 from lmcache_tiered.integration.vllm_plugin import ENV_PREFETCH_URL
+from lmcache_tiered.testing.lmcache import lmcache_server_command
 from lmcache_tiered.testing.ports import free_port
 from lmcache_tiered.warmup.policies import HintedPolicy
 
@@ -172,7 +173,7 @@ def serving(
             adapter = _adapter(variant, setup, drives)
             if variant == f"{TIERED}_{HintedPolicy.name}":
                 hints[ENV_PREFETCH_URL] = f"http://127.0.0.1:{http_port}"
-            command = servers.lmcache_server_command(
+            command = lmcache_server_command(
                 port, http_port, CHUNK_TOKENS, setup.l1_gb, adapter
             )
             stack.enter_context(

