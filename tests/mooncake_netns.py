@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -56,11 +55,13 @@ from lmcache_tiered.storage.store_client import (
     build_adapter,
     object_key,
 )
-from lmcache_tiered.testing.mooncake import MooncakePool, free_port
+from lmcache_tiered.testing import netns
+from lmcache_tiered.testing.mooncake import MooncakePool
+from lmcache_tiered.testing.ports import free_port
 
 #: set by tests/test_mooncake.py in the namespace it runs this module in
 NETNS_ENV = "LMCACHE_TIERED_MOONCAKE_NETNS"
-if os.environ.get(NETNS_ENV) != "1" or [n for _, n in socket.if_nameindex()] != ["lo"]:
+if os.environ.get(NETNS_ENV) != "1" or not netns.isolated():
     pytest.skip(
         "Mooncake listens on all addresses: tests/test_mooncake.py runs this "
         "module in a network namespace of its own",
@@ -92,9 +93,7 @@ def pool(tmp_path: Path) -> Iterator[MooncakePool]:
 
 
 def spec(pool: MooncakePool) -> dict[str, Any]:
-    return mooncake.adapter_spec(
-        pool.master_address, "127.0.0.1", timeout_s=MOONCAKE_TIMEOUT_S
-    )
+    return pool.spec(timeout_s=MOONCAKE_TIMEOUT_S)
 
 
 def in_pool(pool: MooncakePool, objects: list[Any]) -> list[bool]:
@@ -151,7 +150,7 @@ def test_bad_settings_are_named_with_their_fix(
     with pytest.raises(ConfigError, match="protocol: 'rdma' is not supported"):
         tier(master_server_address=address, local_hostname="127.0.0.1", protocol="rdma")
     # no master there: Mooncake's setup would retry for 90 s
-    nobody = f"127.0.0.1:{_closed_port()}"
+    nobody = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(
         ConnectionError, match=f"no Mooncake master answers at {nobody}"
@@ -162,12 +161,6 @@ def test_bad_settings_are_named_with_their_fix(
         tier(master_server_address=nobody, local_hostname="127.0.0.1")
     with pytest.raises(ConfigError, match="master_server_address: expected host:port"):
         tier(master_server_address="localhost", local_hostname="127.0.0.1")
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # ------------------------------------------------- the connector on its own

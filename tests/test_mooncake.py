@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +22,11 @@ from pathlib import Path
 import pytest
 
 from lmcache_tiered.storage.mooncake import INSTALL
+from lmcache_tiered.testing import netns
 
 TESTS = Path(__file__).resolve().parent
 CASES = TESTS / "mooncake_netns.py"
 NETNS_ENV = "LMCACHE_TIERED_MOONCAKE_NETNS"
-#: the namespace: loopback up, then the command given after it
-IN_NETNS = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
 
 
 def _mooncake_missing() -> str | None:
@@ -40,33 +38,20 @@ def _mooncake_missing() -> str | None:
     return None
 
 
-def _netns_refused() -> str | None:
-    """Why a network namespace cannot be made here (None: it can)."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare or ip is missing (util-linux, iproute2)"
-    probe = subprocess.run([*IN_NETNS, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return (
-            f"no network namespace here (unshare -n, as root): {probe.stderr.strip()}"
-        )
-    return None
-
-
 def cases(test: str | None = None) -> list[str]:
     """The command that runs the cases (one, or all) in a namespace."""
     target = str(CASES) if test is None else f"{CASES}::{test}"
-    return [
-        *IN_NETNS,
+    return netns.command([
         sys.executable, "-m", "pytest", target, "-q", "-n", "0", "-p",
         "no:cacheprovider", "-o", "addopts=", "--durations=0", "-rs",
         "--rootdir", str(TESTS.parent),
-    ]  # fmt: skip
+    ])  # fmt: skip
 
 
 def test_mooncake_cold_tier_in_its_own_network_namespace() -> None:
     """All of tests/mooncake_netns.py, in one namespace of its own: pass,
     none skipped (its run times are in the output: --durations)."""
-    missing = _mooncake_missing() or _netns_refused()
+    missing = _mooncake_missing() or netns.refused()
     if missing and os.environ.get("LMCACHE_TIERED_REQUIRE_MOONCAKE") == "1":
         pytest.fail(f"LMCACHE_TIERED_REQUIRE_MOONCAKE=1, but {missing}")
     if missing:

@@ -1,11 +1,12 @@
 """A Mooncake pool of our own on loopback: a ``mooncake_master`` and a
 ``mooncake_client`` holding the pool's memory, each on a free port, started,
-signalled and stopped by PID. The tests run the Mooncake cold tier on it.
+signalled and stopped by PID. The tests run the Mooncake cold tier on it, and
+the benchmarks their own cold store.
 
 Every Mooncake process (and client) listens on all addresses besides the ones
-it is given, whatever its flags say: run this only inside a network namespace
-of its own with nothing but loopback up (``unshare -n``; see
-tests/test_mooncake.py).
+it is given, whatever its flags say: a pool starts only inside a network
+namespace of its own with nothing but loopback up
+(:mod:`lmcache_tiered.testing.netns`).
 
 May touch: the processes it starts, its log directory.
 """
@@ -16,15 +17,19 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
+
+from lmcache_tiered.storage.mooncake import adapter_spec
+from lmcache_tiered.testing import netns
+from lmcache_tiered.testing.ports import free_port
 
 #: Seconds a started process has to open its port.
 START_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+#: Why a pool is not started outside a namespace of its own.
+NOT_ISOLATED = (
+    "Mooncake's processes and clients listen on all addresses: a pool of our "
+    "own runs only in a network namespace with nothing but loopback up"
+)
 
 
 def _answers(port: int) -> bool:
@@ -47,7 +52,7 @@ class MooncakePool:
     default is 10 s; short ones keep tests short). ``client_ttl_s``: how long
     the master keeps a memory process that stopped answering, and its objects
     (default 10 s). ``memory``: the pool's size, held by the mooncake_client
-    process."""
+    process. RuntimeError outside a namespace of its own."""
 
     def __init__(
         self,
@@ -56,6 +61,8 @@ class MooncakePool:
         client_ttl_s: int = 10,
         memory: str = "256MB",
     ) -> None:
+        if not netns.isolated():
+            raise RuntimeError(NOT_ISOLATED)
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.master_port, self.metrics_port = free_port(), free_port()
@@ -71,6 +78,11 @@ class MooncakePool:
     @property
     def master_address(self) -> str:
         return f"127.0.0.1:{self.master_port}"
+
+    def spec(self, **params: Any) -> dict[str, Any]:
+        """Our connector's JSON (as a dict) for this pool; ``params``: more
+        of its ``adapter_params``."""
+        return adapter_spec(self.master_address, "127.0.0.1", **params)
 
     def _start(self, argv: list[str], port: int, name: str) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child's)
