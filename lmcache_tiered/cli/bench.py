@@ -52,7 +52,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered.bench.common.args import split_list
+from lmcache_tiered.bench.common.args import OWN_MOONCAKE, split_list
 from lmcache_tiered.bench.model import presets
 from lmcache_tiered.bench.model.baseline import ALL_HOT, LOCAL_DISK, NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.model.options import (
@@ -213,10 +213,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="the cold tier on a real store instead of directories: the JSON "
         'LMCache\'s --l2-adapter takes, e.g. \'{"type": "resp", "host": '
-        '"127.0.0.1", "port": 6379}\'; no link is modelled (the store\'s own '
-        "speed is the link's: a loopback store is faster than a remote one); each "
-        "variant stores under a model name of its own and deletes its chunks "
-        "when done",
+        '"127.0.0.1", "port": 6379}\', or \'mooncake\': a Mooncake pool of the '
+        "bench's own on loopback (the run then goes in a network namespace of "
+        "its own with only loopback up, which needs root: Mooncake listens on "
+        "all addresses); no link is modelled (the store's own speed is the "
+        "link's: a loopback store is faster than a remote one); each variant "
+        "stores under a model name of its own and deletes its chunks when done",
     )
     tiers.add_argument(
         "--cold-link",
@@ -318,7 +320,10 @@ def _concurrency_arg(text: str) -> tuple[int, ...]:
     return levels
 
 
-def _adapter_arg(text: str) -> dict[str, Any]:
+def _adapter_arg(text: str) -> dict[str, Any] | str:
+    """The store's JSON, or the name of the store the bench starts itself."""
+    if text == OWN_MOONCAKE:
+        return text
     try:
         spec: dict[str, Any] = SETTINGS["cold.adapter"].parse("--cold-adapter", text)
     except ConfigError as exc:

@@ -25,6 +25,9 @@ from lmcache_tiered.testing.ports import free_port
 
 #: Seconds a started process has to open its port.
 START_S = 15.0
+#: Each process is SIGKILLed when the thread that started it ends (util-linux,
+#: as unshare), so a run killed outright leaves no pool holding its memory.
+DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL", "--")
 #: Why a pool is not started outside a namespace of its own.
 NOT_ISOLATED = (
     "Mooncake's processes and clients listen on all addresses: a pool of our "
@@ -73,7 +76,11 @@ class MooncakePool:
         self.master: subprocess.Popen[bytes] | None = None
         self.memory: subprocess.Popen[bytes] | None = None
         self.start_master()
-        self.start_memory()
+        try:
+            self.start_memory()
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def master_address(self) -> str:
@@ -87,7 +94,9 @@ class MooncakePool:
     def _start(self, argv: list[str], port: int, name: str) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child's)
         with log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [*DIE_WITH_PARENT, *argv], stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + START_S
         while not _answers(port):
             if proc.poll() is not None or time.monotonic() > deadline:
