@@ -52,7 +52,7 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered.bench.common.args import OWN_MOONCAKE, split_list
+from lmcache_tiered.bench.common.args import split_list
 from lmcache_tiered.bench.model import presets
 from lmcache_tiered.bench.model.baseline import ALL_HOT, LOCAL_DISK, NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.model.options import (
@@ -67,8 +67,7 @@ from lmcache_tiered.bench.model.options import (
     LOADING_SYNC,
 )
 from lmcache_tiered.bench.model.profiles import DEFAULT_PROFILE, PROFILES
-from lmcache_tiered.cli.shared import add_workload_arguments
-from lmcache_tiered.config import SETTINGS, ConfigError
+from lmcache_tiered.cli.shared import add_workload_arguments, store_arg
 
 if TYPE_CHECKING:
     from lmcache_tiered.bench.model.devices import DeviceSpec
@@ -209,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tiers.add_argument(
         "--cold-adapter",
-        type=_adapter_arg,
+        type=store_arg("--cold-adapter"),
         metavar="JSON",
         help="the cold tier on a real store instead of directories: the JSON "
         'LMCache\'s --l2-adapter takes, e.g. \'{"type": "resp", "host": '
@@ -318,17 +317,6 @@ def _concurrency_arg(text: str) -> tuple[int, ...]:
     if len(set(levels)) < len(levels):
         raise argparse.ArgumentTypeError(f"{text!r}: a concurrency is given twice")
     return levels
-
-
-def _adapter_arg(text: str) -> dict[str, Any] | str:
-    """The store's JSON, or the name of the store the bench starts itself."""
-    if text == OWN_MOONCAKE:
-        return text
-    try:
-        spec: dict[str, Any] = SETTINGS["cold.adapter"].parse("--cold-adapter", text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return spec
 
 
 #: How a preset's text settings become values, as their options' types do.

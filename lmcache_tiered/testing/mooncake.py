@@ -13,13 +13,14 @@ May touch: the processes it starts, its log directory.
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from lmcache_tiered.storage.mooncake import adapter_spec
+from lmcache_tiered.storage.mooncake import INSTALL, adapter_spec
 from lmcache_tiered.testing import netns
 from lmcache_tiered.testing.ports import free_port
 
@@ -44,10 +45,13 @@ def _answers(port: int) -> bool:
 
 
 def mooncake_binary(name: str) -> str:
-    """The path of a binary Mooncake's wheel ships beside its package."""
-    import mooncake
-
-    return str(Path(mooncake.__file__).with_name(name))
+    """The path of a binary Mooncake's wheel ships beside its package, found
+    without importing it: that loads Mooncake's library, which reads its
+    settings (timeouts, log level) once, before a connector sets them."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"Mooncake is not installed: {INSTALL}")
+    return str(Path(spec.origin).with_name(name))
 
 
 class MooncakePool:
