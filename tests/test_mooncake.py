@@ -13,6 +13,7 @@ LMCACHE_TIERED_REQUIRE_MOONCAKE=1: a skip would be a failure there).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -48,14 +49,20 @@ def cases(test: str | None = None) -> list[str]:
     ])  # fmt: skip
 
 
-def test_mooncake_cold_tier_in_its_own_network_namespace() -> None:
-    """All of tests/mooncake_netns.py, in one namespace of its own: pass,
-    none skipped (its run times are in the output: --durations)."""
+def require_mooncake() -> None:
+    """Skip where Mooncake or a namespace is missing; fail there instead
+    under LMCACHE_TIERED_REQUIRE_MOONCAKE=1 (CI's stable leg)."""
     missing = _mooncake_missing() or netns.refused()
     if missing and os.environ.get("LMCACHE_TIERED_REQUIRE_MOONCAKE") == "1":
         pytest.fail(f"LMCACHE_TIERED_REQUIRE_MOONCAKE=1, but {missing}")
     if missing:
         pytest.skip(missing)
+
+
+def test_mooncake_cold_tier_in_its_own_network_namespace() -> None:
+    """All of tests/mooncake_netns.py, in one namespace of its own: pass,
+    none skipped (its run times are in the output: --durations)."""
+    require_mooncake()
     env = os.environ | {NETNS_ENV: "1"}
     run = subprocess.run(
         cases(), capture_output=True, text=True, timeout=600, env=env, cwd=TESTS.parent
@@ -65,3 +72,75 @@ def test_mooncake_cold_tier_in_its_own_network_namespace() -> None:
     assert run.returncode == 0, out[-6000:]
     summary = out.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+
+
+# ------------------------------------- the benchmarks' own pool, from outside
+
+
+def lmcache_tiered(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The command, as a user runs it, outside any namespace: a run with a
+    pool of its own runs itself again in one."""
+    assert not netns.isolated()
+    command = [sys.executable, "-m", "lmcache_tiered.cli", *argv]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=TESTS.parent
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done
+
+
+def test_bench_runs_on_a_mooncake_pool_of_its_own(tmp_path: Path) -> None:
+    """``bench --cold-adapter mooncake``: the bench starts a pool on loopback
+    in a namespace of its own; A's chunks go to the pool (a warm tier of 3
+    chunks, no CPU tier) and its follow-up turns are served from it."""
+    require_mooncake()
+    from test_bench import SMALL, mooncake, write_trace
+
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    chunk = 256 * 128  # tokens x KV bytes per token of SMALL
+    a, c = list(range(1, 7)), list(range(20, 26))
+    trace = write_trace(
+        tmp_path / "t.jsonl",
+        [
+            mooncake(0, 6 * 512, a),
+            mooncake(1_000, 6 * 512, c),
+            mooncake(2_000, 6 * 512 + 300, [*a, 9]),
+        ],
+    )
+    out = tmp_path / "r.json"
+    done = lmcache_tiered(
+        "bench", "--trace", str(trace), *SMALL, "--warm", str(warm),
+        "--cold-adapter", "mooncake", "--hot-gb", "0",
+        "--warm-gb", str(3 * (chunk + 4096) / 2**30), "--concurrency", "1",
+        "--policies", "none", "--no-baseline", "--plot", "none",
+        "--json", str(out),
+    )  # fmt: skip
+    assert "cold on a real MooncakeConnector store" in done.stdout
+    document = json.loads(out.read_text())
+    params = document["config"]["cold_adapter"]["adapter_params"]
+    assert params["master_server_address"].startswith("127.0.0.1:")
+    assert params["local_hostname"] == "127.0.0.1"
+    cold = document["policies"]["none"]["backend_metrics"]["tiers"]["cold"]
+    assert cold["bytes_written"] > 0 and cold["hits"] > 0 and cold["misses"] == 0
+
+
+def test_diskbench_measures_a_mooncake_pool_of_its_own(tmp_path: Path) -> None:
+    """``diskbench --mp --store mooncake``: the connector is a contender,
+    its chunks found after a restart and read back, not judged as a disk."""
+    require_mooncake()
+    out = tmp_path / "d.json"
+    done = lmcache_tiered(
+        "diskbench", "--mp", "--store", "mooncake", "--workdir", str(tmp_path),
+        "--total-gb", "0.03", "--chunk-mb", "1", "--placements", "1",
+        "--rounds", "1", "--json", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    (spec,) = result["stores"]
+    assert spec["class_name"] == "MooncakeConnector"
+    store = result["mp"]["store_mooncakeconnector"]
+    assert store["store"] and store["restart"] == "recovered"
+    assert store["read_gbps"] > 0 and store["write_gbps"] > 0
+    assert all(g["against"] != "store_mooncakeconnector" for g in result["mp_goals"])
+    assert "MooncakeConnector store (cold tier, no drive)" in done.stdout
+    assert "no drive, no NIC, no RDMA" in done.stdout
