@@ -22,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_tiered import cli
 from lmcache_tiered.storage.mooncake import INSTALL
 from lmcache_tiered.testing import netns
+from lmcache_tiered.testing.mooncake import MooncakePool
 
 TESTS = Path(__file__).resolve().parent
 CASES = TESTS / "mooncake_netns.py"
@@ -144,3 +146,27 @@ def test_diskbench_measures_a_mooncake_pool_of_its_own(tmp_path: Path) -> None:
     assert all(g["against"] != "store_mooncakeconnector" for g in result["mp_goals"])
     assert "MooncakeConnector store (cold tier, no drive)" in done.stdout
     assert "no drive, no NIC, no RDMA" in done.stdout
+
+
+def test_a_pool_of_its_own_is_refused_where_it_could_reach_out(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No pool starts outside a namespace of its own; a benchmark that cannot
+    make one says why and what to do instead, and starts nothing."""
+    with pytest.raises(RuntimeError, match="listen on all addresses"):
+        MooncakePool(tmp_path)
+    monkeypatch.setattr(netns, "refused", lambda: "no network namespace (test)")
+    assert cli.main(["bench", "--cold-adapter", "mooncake", "--plot", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "--cold-adapter mooncake starts a Mooncake pool" in err
+    assert "no network namespace (test): run it as root, or start a pool" in err
+    assert cli.main(["diskbench", "--mp", "--store", "mooncake"]) == 2
+    assert "--store mooncake starts a Mooncake pool" in capsys.readouterr().err
+    redis = json.dumps({"type": "resp", "host": "127.0.0.1", "port": 6379})
+    argv = ["diskbench", "--mp", "--store", "mooncake", "--store", redis]
+    assert cli.main(argv) == 2
+    assert "where the other --store cannot be reached" in capsys.readouterr().err
+    assert cli.main(["diskbench", "--store", redis]) == 2
+    assert "--store adds contenders to --mp" in capsys.readouterr().err
