@@ -34,6 +34,10 @@ from lmcache_tiered.testing.mooncake import MooncakePool
 #: The pool's memory beyond what the run stores (the tier's probe objects,
 #: Mooncake's own allocation slack).
 SPARE_BYTES = 64 << 20
+#: The master's lease on an object after a read: Mooncake's default. A read
+#: that outlasts it fails (lease_expired_before_data_transfer_completed); a
+#: batch of 16 x 4 MiB outlasted 500 ms on this 2-vCPU VM under load.
+LEASE_MS = 10_000
 #: Set in the environment of a command run again in a namespace.
 RERUN_ENV = "LMCACHE_TIERED_ISOLATED_RERUN"
 
@@ -76,7 +80,7 @@ def mooncake_pool(stored_bytes: int) -> Iterator[dict[str, Any]]:
     the connector's JSON (as a dict). Only in a namespace of its own."""
     log_dir = Path(tempfile.mkdtemp(prefix="lmcache-tiered-mooncake-"))
     megabytes = -(-(stored_bytes + SPARE_BYTES) // (1 << 20))
-    pool = MooncakePool(log_dir, memory=f"{megabytes}MB")
+    pool = MooncakePool(log_dir, lease_ms=LEASE_MS, memory=f"{megabytes}MB")
     try:
         yield pool.spec()
     finally:
