@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from lmcache_tiered import testing
-from lmcache_tiered.bench.common import stores
 from lmcache_tiered.bench.common.args import OWN_MOONCAKE
+from lmcache_tiered.bench.common.stores import mooncake_pool, rerun_isolated
 from lmcache_tiered.bench.disk import mpbench
 from lmcache_tiered.bench.disk.disk_report import (
     CONTENDERS,
@@ -52,8 +52,6 @@ from lmcache_tiered.storage.filesystems import IN_MEMORY_FILESYSTEMS, filesystem
 from lmcache_tiered.testing import netns
 from lmcache_tiered.testing.lmcache import RUST_RAW_BLOCK_EXTENSION
 
-#: tokens per LMCache chunk and KV heads x head size of the synthetic model;
-#: the layer count is chosen so a chunk has the requested size
 #: Why ``--store mooncake`` and other stores are refused together outside a
 #: network namespace.
 OWN_POOL_ALONE = (
@@ -62,6 +60,8 @@ OWN_POOL_ALONE = (
     "a run of their own, or start them inside a namespace with the run "
     "(docs/cold-tier.md shows how)"
 )
+#: tokens per LMCache chunk and KV heads x head size of the synthetic model;
+#: the layer count is chosen so a chunk has the requested size
 CHUNK_TOKENS, HEADS, HEAD_SIZE = 256, 8, 128
 #: chunks stored and read per request (one batched_get call)
 REQUEST_CHUNKS = 32
@@ -352,11 +352,12 @@ def run_placement(
     args: argparse.Namespace,
     chunk_bytes: int,
     n_requests: int,
-    stores: Sequence[Mapping[str, Any]] = (),
+    store_specs: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[Placement, str, str]:
-    """Fill fresh files (contenders rotated by ``index``) and the ``stores``
-    (their JSON), then read them in ``args.rounds`` interleaved cold rounds.
-    Returns the placement, the ceiling's method and the tiered engine's name."""
+    """Fill fresh files (contenders rotated by ``index``) and the stores
+    ``store_specs`` names (their JSON), then read them in ``args.rounds``
+    interleaved cold rounds. Returns the placement, the ceiling's method and
+    the tiered engine's name."""
     work = tempfile.mkdtemp(prefix="lmcache-tiered-diskbench-", dir=args.workdir)
     bases = args.paths.split(",") if args.paths else [work]
     paths = [tempfile.mkdtemp(prefix="nvme-", dir=base) for base in bases]
@@ -371,7 +372,7 @@ def run_placement(
             mp, missing = mpbench.contenders(
                 mp_dirs, arena, io_engine=args.io_engine, queue_depth=args.queue_depth
             )
-            mp += mpbench.store_contenders(stores, arena)
+            mp += mpbench.store_contenders(store_specs, arena)
         mp_stores = [(c.name, c.dirs, total_bytes * c.copies) for c in mp]
         runs = contenders(paths, work, args, total_bytes, mp_stores)
         # Every contender stores in turn, the order rotated each placement,
@@ -447,23 +448,23 @@ def in_memory_filesystems(args: argparse.Namespace) -> list[str]:
     return sorted(kinds & set(IN_MEMORY_FILESYSTEMS))
 
 
-def stored_bytes(args: argparse.Namespace) -> int:
-    """Bytes each contender stores: whole requests of ``--chunk-mb`` chunks."""
+def requests_of(args: argparse.Namespace) -> int:
+    """Requests of :data:`REQUEST_CHUNKS` chunks each contender stores."""
     request_bytes = REQUEST_CHUNKS * (args.chunk_mb << 20)
-    return max(1, round(args.total_gb * 2**30 / request_bytes)) * request_bytes
+    return max(1, round(args.total_gb * 2**30 / request_bytes))
 
 
 def run(
-    args: argparse.Namespace, stores: Sequence[Mapping[str, Any]] = ()
+    args: argparse.Namespace, store_specs: Sequence[Mapping[str, Any]] = ()
 ) -> dict[str, Any]:
-    """Every placement; the results. ``stores``: the JSON of each ``--store``."""
+    """Every placement; the results. ``store_specs``: each ``--store``'s JSON."""
     chunk_bytes = args.chunk_mb << 20
-    n_requests = stored_bytes(args) // (REQUEST_CHUNKS * chunk_bytes)
+    n_requests = requests_of(args)
     placements: list[Placement] = []
     method = io_engine = ""
     for index in range(args.placements):
         placement, method, io_engine = run_placement(
-            index, args, chunk_bytes, n_requests, stores
+            index, args, chunk_bytes, n_requests, store_specs
         )
         placements.append(placement)
 
@@ -503,7 +504,7 @@ def run(
     }
     if args.mp:
         result |= mp_result(placements, reads_capped(), result["unsteady_writes"])
-        result["stores"] = [dict(spec) for spec in stores]
+        result["stores"] = [dict(spec) for spec in store_specs]
     return result
 
 
@@ -529,14 +530,18 @@ def main(args: argparse.Namespace) -> int:
             if own_pool and not netns.isolated():
                 if len(args.store) > 1:  # the others are out of reach there
                     raise ValueError(OWN_POOL_ALONE)
-                return stores.rerun_isolated(args.command_line, "--store mooncake")
+                return rerun_isolated(args.command_line, "--store mooncake")
             specs = args.store
             if own_pool:  # the next placement's upserts may meet leased chunks
-                pool = stores.mooncake_pool(2 * stored_bytes(args))
-                mine = stack.enter_context(pool)
+                stored = requests_of(args) * REQUEST_CHUNKS * (args.chunk_mb << 20)
+                mine = stack.enter_context(mooncake_pool(2 * stored))
                 specs = [mine if s == OWN_MOONCAKE else s for s in specs]
+        except (RuntimeError, ValueError) as exc:  # options; the pool's start
+            print(f"diskbench: {exc}", file=sys.stderr)
+            return 2
+        try:
             result = run(args, specs)
-        except (StoreFailed, RuntimeError, ValueError) as exc:
+        except (StoreFailed, ValueError) as exc:
             print(f"diskbench: {exc}", file=sys.stderr)
             return 2
     print(table(result))
