@@ -298,26 +298,34 @@ except ImportError:  # lmcache 0.5.6
 # ------------------------------------------------------ LMCache's L2 adapters
 
 
-def build_l2_adapter(spec: str) -> Any:
-    """An L2 adapter built from ``spec``, the JSON ``lmcache server
-    --l2-adapter`` takes, by LMCache's own parser and factory (the cold tier
-    on a store, :mod:`lmcache_tiered.storage.adapter_tier`). ValueError for a spec
-    LMCache refuses; the adapter's own errors (an unreachable S3 endpoint,
-    a missing client library) as raised."""
+def parse_l2_adapter(spec: str) -> Any:
+    """The config LMCache's own parser makes of ``spec``, the JSON ``lmcache
+    server --l2-adapter`` takes; ValueError for a spec LMCache refuses."""
     import argparse
     import warnings
 
     with warnings.catch_warnings():
-        # the factory imports the clients of all adapter types (google-cloud
+        # the parser imports the clients of all adapter types (google-cloud
         # among them), whose FutureWarnings are about Python versions
         warnings.simplefilter("ignore", FutureWarning)
-        from lmcache.v1.distributed.l2_adapters import create_l2_adapter
         from lmcache.v1.distributed.l2_adapters.config import (
             parse_args_to_l2_adapters_config,
         )
 
         parsed = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[spec]))
-        return create_l2_adapter(parsed.adapters[0], None)
+    return parsed.adapters[0]
+
+
+def build_l2_adapter(spec: str) -> Any:
+    """An L2 adapter built from ``spec`` (:func:`parse_l2_adapter`) by
+    LMCache's own factory (the cold tier on a store,
+    :mod:`lmcache_tiered.storage.adapter_tier`). ValueError for a spec LMCache
+    refuses; the adapter's own errors (an unreachable S3 endpoint, a missing
+    client library) as raised."""
+    config = parse_l2_adapter(spec)  # imports the factory's package, quietly
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+
+    return create_l2_adapter(config, None)
 
 
 def native_connector(adapter: Any) -> Any:

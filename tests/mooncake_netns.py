@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,7 +33,10 @@ from lmcache.v1.distributed.config import (
 )
 from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 from lmcache.v1.distributed.storage_manager import StorageManager
+from test_bench import SMALL, write_trace
+from test_bench import mooncake as mooncake_request
 from test_mp import LAYOUT, okey, params, plugin_json, prefetch
+from test_mpbench import check_store_contender
 from test_store_tier import (
     _HOST,
     CHUNK,
@@ -43,7 +45,8 @@ from test_store_tier import (
     store_engine,
 )
 
-from lmcache_tiered import testing
+from lmcache_tiered import cli, testing
+from lmcache_tiered.bench.disk import mpbench
 from lmcache_tiered.config import ConfigError, TieredConfig
 from lmcache_tiered.integration.mp import TieredL2Adapter
 from lmcache_tiered.keys import key_digest
@@ -56,11 +59,13 @@ from lmcache_tiered.storage.store_client import (
     build_adapter,
     object_key,
 )
-from lmcache_tiered.testing.mooncake import MooncakePool, free_port
+from lmcache_tiered.testing import netns
+from lmcache_tiered.testing.mooncake import MooncakePool
+from lmcache_tiered.testing.ports import free_port
 
 #: set by tests/test_mooncake.py in the namespace it runs this module in
 NETNS_ENV = "LMCACHE_TIERED_MOONCAKE_NETNS"
-if os.environ.get(NETNS_ENV) != "1" or [n for _, n in socket.if_nameindex()] != ["lo"]:
+if os.environ.get(NETNS_ENV) != "1" or not netns.isolated():
     pytest.skip(
         "Mooncake listens on all addresses: tests/test_mooncake.py runs this "
         "module in a network namespace of its own",
@@ -92,9 +97,7 @@ def pool(tmp_path: Path) -> Iterator[MooncakePool]:
 
 
 def spec(pool: MooncakePool) -> dict[str, Any]:
-    return mooncake.adapter_spec(
-        pool.master_address, "127.0.0.1", timeout_s=MOONCAKE_TIMEOUT_S
-    )
+    return pool.spec(timeout_s=MOONCAKE_TIMEOUT_S)
 
 
 def in_pool(pool: MooncakePool, objects: list[Any]) -> list[bool]:
@@ -151,7 +154,7 @@ def test_bad_settings_are_named_with_their_fix(
     with pytest.raises(ConfigError, match="protocol: 'rdma' is not supported"):
         tier(master_server_address=address, local_hostname="127.0.0.1", protocol="rdma")
     # no master there: Mooncake's setup would retry for 90 s
-    nobody = f"127.0.0.1:{_closed_port()}"
+    nobody = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(
         ConnectionError, match=f"no Mooncake master answers at {nobody}"
@@ -162,12 +165,6 @@ def test_bad_settings_are_named_with_their_fix(
         tier(master_server_address=nobody, local_hostname="127.0.0.1")
     with pytest.raises(ConfigError, match="master_server_address: expected host:port"):
         tier(master_server_address="localhost", local_hostname="127.0.0.1")
-
-
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 # ------------------------------------------------- the connector on its own
@@ -242,13 +239,21 @@ def test_the_connector_alone_is_an_l2_adapter_of_lmcache_server(
         assert torch.equal(back, new)  # upserted, not the old bytes kept
         client.adapter.delete(keys[:2])  # the first read just now: leased
         assert in_pool(pool, keys[:1]) == [True]  # kept while its lease holds
-        # a lookup leases its objects too: ask less often than the lease
-        deadline = time.monotonic() + 10
-        while in_pool(pool, keys) != [False, False, True, True]:
-            assert time.monotonic() < deadline, "the leased delete never happened"
-            time.sleep(LEASE_MS / 1000 + 0.5)
+        wait_for_leased_deletes(pool, keys, [False, False, True, True])
     finally:
         client.adapter.close()
+
+
+def wait_for_leased_deletes(
+    pool: MooncakePool, keys: list[Any], wanted: list[bool]
+) -> None:
+    """Until ``in_pool(keys)`` is ``wanted`` (10 s at most): deletes refused
+    for a lease are retried. A lookup leases its objects too: ask less often
+    than the lease lasts."""
+    deadline = time.monotonic() + 10
+    while in_pool(pool, keys) != wanted:
+        assert time.monotonic() < deadline, "the leased deletes never happened"
+        time.sleep(LEASE_MS / 1000 + 0.5)
 
 
 # ---------------------------------------------------- the cold tier on it
@@ -515,3 +520,48 @@ def server_status(server: subprocess.Popen[bytes], port: int, log: Path) -> Any:
         except OSError:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
+
+
+# ------------------------------------------------------ the benchmarks on it
+
+
+def test_bench_runs_with_the_pool_json_as_its_cold_adapter(
+    tmp_path: Path, pool: MooncakePool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench --cold-adapter '<the connector's JSON>'`` (a pool the user
+    runs): no CPU tier, a warm tier of 3 chunks; A's chunks go to the pool
+    and its follow-up turns are served from it."""
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    chunk = 256 * 128  # tokens x KV bytes per token of SMALL
+    a, c = list(range(1, 7)), list(range(20, 26))
+    requests = [
+        mooncake_request(0, 6 * 512, a),
+        mooncake_request(1_000, 6 * 512, c),
+        mooncake_request(2_000, 6 * 512 + 300, [*a, 9]),
+    ]
+    trace_path = write_trace(tmp_path / "t.jsonl", requests)
+    out = tmp_path / "r.json"
+    argv = ["bench", "--trace", str(trace_path), *SMALL, "--warm", str(warm)]
+    argv += ["--cold-adapter", json.dumps(spec(pool)), "--hot-gb", "0"]
+    argv += ["--warm-gb", str(3 * (chunk + 4096) / 2**30), "--concurrency", "1"]
+    argv += ["--policies", "none", "--no-baseline", "--plot", "none", "--jobs", "1"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    assert "cold on a real MooncakeConnector store" in capsys.readouterr().out
+    document = json.loads(out.read_text())
+    assert document["config"]["cold_adapter"] == spec(pool)
+    cold = document["policies"]["none"]["backend_metrics"]["tiers"]["cold"]
+    assert cold["bytes_written"] > 0 and cold["hits"] > 0 and cold["misses"] == 0
+
+
+def test_the_pool_as_a_diskbench_contender_reads_exact_and_is_left_empty(
+    pool: MooncakePool,
+) -> None:
+    """diskbench's store contender on the connector: every chunk found by a
+    new client, loaded byte-exact into the arena, deleted afterwards."""
+    arena = mpbench.Arena(1 << 20, 12 << 20)  # 12 chunks
+    (store,) = mpbench.store_contenders([spec(pool)], arena)
+    assert store.name == "store_mooncakeconnector"
+    assert store.store and store.dirs == []
+    check_store_contender(store)
+    wait_for_leased_deletes(pool, arena.keys, [False] * len(arena.keys))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from lmcache.v1.distributed.storage_controllers.store_policy import create_store
 from lmcache.v1.distributed.storage_controllers.utils import L2AdapterDescriptor
 
 from lmcache_tiered.bench.disk import disk_report, mpbench, rawio
+from lmcache_tiered.soak.redis_server import RedisServer
 from lmcache_tiered.testing.lmcache import L2_ADAPTER_MODULES, RUST_RAW_BLOCK_EXTENSION
 
 HAS_RAW_BLOCK = importlib.util.find_spec(RUST_RAW_BLOCK_EXTENSION) is not None
@@ -214,3 +216,38 @@ def test_a_read_cap_is_found_in_either_cgroup_hierarchy(tmp_path: Path) -> None:
     (v2 / "io.max").write_text("259:0 rbps=400000000 wbps=max riops=max wiops=max\n")
     assert rawio.reads_capped(str(proc), str(root))
     assert not rawio.reads_capped(str(tmp_path / "absent"), str(root))
+
+
+def check_store_contender(store: mpbench.MpContender) -> None:
+    """A store contender (``diskbench --store``): filled, found whole by new
+    adapters, loaded byte-exact into its arena, then told to forget."""
+    arena = store.arena
+    used = len(arena.keys) * arena.chunk_bytes
+    stored = arena.tensor[:used].clone()
+    assert mpbench.fill(store) > 0
+    assert store.restart == "recovered"
+    arena.tensor.zero_()
+    gbps, cpu_s_per_gb = mpbench.read_round(store, drop_caches=False)
+    assert gbps > 0 and cpu_s_per_gb > 0
+    assert torch.equal(arena.tensor[:used], stored)
+    mpbench.forget(store)
+
+
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None,
+    reason="redis-server is not installed (apt-get install redis-server; "
+    ".ci/run installs it)",
+)
+def test_a_redis_store_is_a_contender_read_exact_and_left_empty() -> None:
+    """``diskbench --mp --store '<resp JSON>'``: Redis through LMCache's own
+    adapter, as the cold tier would use it; nothing left in it after."""
+    server = RedisServer()
+    try:
+        arena = mpbench.Arena(1 << 20, 12 << 20)  # 12 chunks
+        (store,) = mpbench.store_contenders([server.spec], arena)
+        assert (store.name, store.store, store.dirs) == ("store_resp", True, [])
+        assert store.describe()["store"] is True
+        check_store_contender(store)
+        assert server.command("dbsize") == ":0"
+    finally:
+        server.kill()

@@ -77,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """``argv`` parsed as the command line would be."""
-    return build_parser().parse_args(argv)
+    """``argv`` parsed as the command line would be; ``command_line``: the
+    ``argv`` itself, for a command that runs itself again elsewhere (in a
+    network namespace of its own: bench.common.stores)."""
+    args = build_parser().parse_args(argv)
+    args.command_line = list(argv)
+    return args
 
 
 def verbose(argv: Sequence[str]) -> bool:

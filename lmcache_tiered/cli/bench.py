@@ -68,8 +68,7 @@ from lmcache_tiered.bench.model.options import (
     LOADING_SYNC,
 )
 from lmcache_tiered.bench.model.profiles import DEFAULT_PROFILE, PROFILES
-from lmcache_tiered.cli.shared import add_workload_arguments
-from lmcache_tiered.config import SETTINGS, ConfigError
+from lmcache_tiered.cli.shared import add_workload_arguments, store_arg
 
 if TYPE_CHECKING:
     from lmcache_tiered.bench.model.devices import DeviceSpec
@@ -210,14 +209,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tiers.add_argument(
         "--cold-adapter",
-        type=_adapter_arg,
+        type=store_arg("--cold-adapter"),
         metavar="JSON",
         help="the cold tier on a real store instead of directories: the JSON "
         'LMCache\'s --l2-adapter takes, e.g. \'{"type": "resp", "host": '
-        '"127.0.0.1", "port": 6379}\'; no link is modelled (the store\'s own '
-        "speed is the link's: a loopback store is faster than a remote one); each "
-        "variant stores under a model name of its own and deletes its chunks "
-        "when done",
+        '"127.0.0.1", "port": 6379}\', or \'mooncake\': a Mooncake pool of the '
+        "bench's own on loopback (the run then goes in a network namespace of "
+        "its own with only loopback up, which needs root: Mooncake listens on "
+        "all addresses); no link is modelled (the store's own speed is the "
+        "link's: a loopback store is faster than a remote one); each variant "
+        "stores under a model name of its own and deletes its chunks when done",
     )
     tiers.add_argument(
         "--cold-link",
@@ -317,14 +318,6 @@ def _concurrency_arg(text: str) -> tuple[int, ...]:
     if len(set(levels)) < len(levels):
         raise argparse.ArgumentTypeError(f"{text!r}: a concurrency is given twice")
     return levels
-
-
-def _adapter_arg(text: str) -> dict[str, Any]:
-    try:
-        spec: dict[str, Any] = SETTINGS["cold.adapter"].parse("--cold-adapter", text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return spec
 
 
 #: How a preset's text settings become values, as their options' types do.

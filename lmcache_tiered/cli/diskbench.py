@@ -18,6 +18,12 @@ In one run, on the same paths and the same chunks:
    first path and one per path, as LMCache's store and prefetch policies place
    them, and ``raw_block`` one path per key (a placement LMCache has proposed,
    not released).
+   With ``--store``, stores a cold tier runs on too, each as one adapter:
+   any ``tiered.cold.adapter`` JSON (Redis through LMCache's ``resp``), or
+   ``mooncake``, a Mooncake pool diskbench starts itself on loopback (the run
+   then goes in a network namespace of its own with only loopback up, which
+   needs root: Mooncake listens on all addresses). Their figures are a store
+   on this host, in memory: no drive, no NIC.
 
 2-4 are driven through LMCache's own ``StorageManager.batched_get`` after the
 CPU tier is emptied and the page cache dropped, so every byte comes from disk.
@@ -33,6 +39,8 @@ medians over all rounds, and ratios are taken round by round.
 from __future__ import annotations
 
 import argparse
+
+from lmcache_tiered.cli.shared import store_arg
 
 SUMMARY = "cold-read GB/s: device ceiling vs LMCache's disk tiers vs TieredBackend"
 RUN = "lmcache_tiered.bench.disk.diskbench:main"
@@ -79,5 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also measure the multi-process L2 adapters: ours, and LMCache's fs, "
         "fs_native and raw_block on one path and one per path",
+    )
+    parser.add_argument(
+        "--store",
+        action="append",
+        default=[],
+        type=store_arg("--store"),
+        metavar="JSON|mooncake",
+        help="with --mp, also a store a cold tier runs on, as one L2 adapter: "
+        'the JSON LMCache\'s --l2-adapter takes (e.g. \'{"type": "resp", '
+        '"host": "127.0.0.1", "port": 6379}\'), or mooncake: a Mooncake pool '
+        "of diskbench's own on loopback, in a network namespace of its own "
+        "(root); repeatable (default: none); its chunks are deleted after each "
+        "placement",
     )
     parser.add_argument("--json", help="write the results to this JSON file")

@@ -1,13 +1,18 @@
 """What the subcommands' command lines share: the workload options of
 ``bench`` and ``serve-bench`` (what they mean is
-:func:`lmcache_tiered.bench.model.scenario.load_requests`), comma lists, and the
-arguments that name a tier's files (``inspect``, ``fsck``)."""
+:func:`lmcache_tiered.bench.model.scenario.load_requests`), comma lists, the
+arguments that name a tier's files (``inspect``, ``fsck``), and how a
+benchmark's store is named (``bench --cold-adapter``, ``diskbench --store``)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from lmcache_tiered.bench.common import trace
+from lmcache_tiered.bench.common.args import OWN_MOONCAKE
+from lmcache_tiered.config import SETTINGS, ConfigError
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, default: str) -> None:
@@ -48,3 +53,20 @@ def add_tier_arguments(parser: argparse.ArgumentParser, nargs: str) -> None:
         help="the tier's directories, in tiered.<tier>.paths order",
     )
     parser.add_argument("--owner", help="only this owner's files (e.g. kv-w0)")
+
+
+def store_arg(option: str) -> Callable[[str], dict[str, Any] | str]:
+    """How ``option`` reads a store: the JSON LMCache's ``--l2-adapter``
+    takes, checked as ``tiered.cold.adapter`` is, or ``mooncake``, a pool the
+    benchmark starts itself (:mod:`lmcache_tiered.bench.common.stores`)."""
+
+    def parse(text: str) -> dict[str, Any] | str:
+        if text == OWN_MOONCAKE:
+            return text
+        try:
+            spec: dict[str, Any] = SETTINGS["cold.adapter"].parse(option, text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return spec
+
+    return parse

@@ -154,7 +154,10 @@ def goals(
     theirs = {
         name: info
         for name, info in contenders.items()
-        if name != OURS and info["released"] and info["read_gbps"] is not None
+        if name != OURS
+        and info["released"]
+        and not info.get("store")  # a cold tier's store, not a disk adapter
+        and info["read_gbps"] is not None
     }
     if ours is None or ours["read_gbps"] is None or not theirs:
         return []
@@ -270,6 +273,13 @@ def table(result: dict[str, Any]) -> str:
             "not its drives' pace; on drives in a VM's RAM, write each drive through "
             "once before measuring (docs/diskbench.md)"
         )
+    for info in result.get("mp", {}).values():
+        if info.get("store"):
+            lines.append(
+                f"note: {info['label']}: the figures of a store on this host, reached "
+                "over loopback and held in memory: no drive, no NIC, no RDMA; a "
+                "remote store adds its network's"
+            )
     cached = {n: share for n, share in result["disk_share"].items() if share < 0.95}
     for name, share in cached.items():
         lines.append(

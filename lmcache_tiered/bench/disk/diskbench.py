@@ -10,6 +10,7 @@ page cache (dropped between rounds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -20,12 +21,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from lmcache_tiered import testing
+from lmcache_tiered.bench.common.args import OWN_MOONCAKE
+from lmcache_tiered.bench.common.stores import mooncake_pool, rerun_isolated
 from lmcache_tiered.bench.disk import mpbench
 from lmcache_tiered.bench.disk.disk_report import (
     CONTENDERS,
@@ -45,8 +49,17 @@ from lmcache_tiered.bench.disk.rawio import (
 from lmcache_tiered.config import plugin_extra_config
 from lmcache_tiered.io.uring import UringEngine
 from lmcache_tiered.storage.filesystems import IN_MEMORY_FILESYSTEMS, filesystem_type
+from lmcache_tiered.testing import netns
 from lmcache_tiered.testing.lmcache import RUST_RAW_BLOCK_EXTENSION
 
+#: Why ``--store mooncake`` and other stores are refused together outside a
+#: network namespace.
+OWN_POOL_ALONE = (
+    "--store mooncake runs diskbench in a network namespace of its own, with "
+    "only loopback, where the other --store cannot be reached: measure them in "
+    "a run of their own, or start them inside a namespace with the run "
+    "(docs/cold-tier.md shows how)"
+)
 #: tokens per LMCache chunk and KV heads x head size of the synthetic model;
 #: the layer count is chosen so a chunk has the requested size
 CHUNK_TOKENS, HEADS, HEAD_SIZE = 256, 8, 128
@@ -335,11 +348,16 @@ def ceiling(files: list[str], chunk_bytes: int, total_bytes: int) -> tuple[float
 
 
 def run_placement(
-    index: int, args: argparse.Namespace, chunk_bytes: int, n_requests: int
+    index: int,
+    args: argparse.Namespace,
+    chunk_bytes: int,
+    n_requests: int,
+    store_specs: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[Placement, str, str]:
-    """Fill fresh files (contenders rotated by ``index``), then read them in
-    ``args.rounds`` interleaved cold rounds. Returns the placement, the
-    ceiling's method and the tiered engine's name."""
+    """Fill fresh files (contenders rotated by ``index``) and the stores
+    ``store_specs`` names (their JSON), then read them in ``args.rounds``
+    interleaved cold rounds. Returns the placement, the ceiling's method and
+    the tiered engine's name."""
     work = tempfile.mkdtemp(prefix="lmcache-tiered-diskbench-", dir=args.workdir)
     bases = args.paths.split(",") if args.paths else [work]
     paths = [tempfile.mkdtemp(prefix="nvme-", dir=base) for base in bases]
@@ -354,6 +372,7 @@ def run_placement(
             mp, missing = mpbench.contenders(
                 mp_dirs, arena, io_engine=args.io_engine, queue_depth=args.queue_depth
             )
+            mp += mpbench.store_contenders(store_specs, arena)
         mp_stores = [(c.name, c.dirs, total_bytes * c.copies) for c in mp]
         runs = contenders(paths, work, args, total_bytes, mp_stores)
         # Every contender stores in turn, the order rotated each placement,
@@ -405,9 +424,12 @@ def run_placement(
                 disk_before = storage_bytes_read()
                 placement.record(adapter.name, *mpbench.read_round(adapter))
                 read = storage_bytes_read() - disk_before
-                placement.disk_share.setdefault(adapter.name, []).append(
-                    read / (mpbench.READ_PASSES * total_bytes)
-                )
+                if not adapter.store:  # a store reads no drive
+                    placement.disk_share.setdefault(adapter.name, []).append(
+                        read / (mpbench.READ_PASSES * total_bytes)
+                    )
+        for store in (c for c in mp if c.store):
+            mpbench.forget(store)
         engine = warm.engine
         if isinstance(engine, UringEngine) and engine.stats()["fixed"]:
             return placement, method, f"{engine.name}, CPU pool registered"
@@ -426,14 +448,23 @@ def in_memory_filesystems(args: argparse.Namespace) -> list[str]:
     return sorted(kinds & set(IN_MEMORY_FILESYSTEMS))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def requests_of(args: argparse.Namespace) -> int:
+    """Requests of :data:`REQUEST_CHUNKS` chunks each contender stores."""
+    request_bytes = REQUEST_CHUNKS * (args.chunk_mb << 20)
+    return max(1, round(args.total_gb * 2**30 / request_bytes))
+
+
+def run(
+    args: argparse.Namespace, store_specs: Sequence[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
+    """Every placement; the results. ``store_specs``: each ``--store``'s JSON."""
     chunk_bytes = args.chunk_mb << 20
-    n_requests = max(1, round(args.total_gb * 2**30 / (REQUEST_CHUNKS * chunk_bytes)))
+    n_requests = requests_of(args)
     placements: list[Placement] = []
     method = io_engine = ""
     for index in range(args.placements):
         placement, method, io_engine = run_placement(
-            index, args, chunk_bytes, n_requests
+            index, args, chunk_bytes, n_requests, store_specs
         )
         placements.append(placement)
 
@@ -473,6 +504,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.mp:
         result |= mp_result(placements, reads_capped(), result["unsteady_writes"])
+        result["stores"] = [dict(spec) for spec in store_specs]
     return result
 
 
@@ -481,17 +513,37 @@ def progress(message: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """The run, printed and written; with ``--store mooncake``, first in a
+    network namespace of its own (this command again, there), then with a
+    Mooncake pool of its own."""
     testing.set_lmcache_log_level(logging.ERROR)
-    try:
-        for option, path in [("--workdir", args.workdir)] + [
-            ("--paths", p) for p in (args.paths or "").split(",") if args.paths
-        ]:
-            if path is not None and not os.path.isdir(path):
-                raise ValueError(f"{option} {path}: not a directory")
-        result = run(args)
-    except (StoreFailed, ValueError) as exc:
-        print(f"diskbench: {exc}", file=sys.stderr)
-        return 2
+    own_pool = OWN_MOONCAKE in args.store
+    with contextlib.ExitStack() as stack:
+        try:
+            for option, path in [("--workdir", args.workdir)] + [
+                ("--paths", p) for p in (args.paths or "").split(",") if args.paths
+            ]:
+                if path is not None and not os.path.isdir(path):
+                    raise ValueError(f"{option} {path}: not a directory")
+            if args.store and not args.mp:
+                raise ValueError("--store adds contenders to --mp: give --mp too")
+            if own_pool and not netns.isolated():
+                if len(args.store) > 1:  # the others are out of reach there
+                    raise ValueError(OWN_POOL_ALONE)
+                return rerun_isolated(args.command_line, "--store mooncake")
+            specs = args.store
+            if own_pool:  # the next placement's upserts may meet leased chunks
+                stored = requests_of(args) * REQUEST_CHUNKS * (args.chunk_mb << 20)
+                mine = stack.enter_context(mooncake_pool(2 * stored))
+                specs = [mine if s == OWN_MOONCAKE else s for s in specs]
+        except (RuntimeError, ValueError) as exc:  # options; the pool's start
+            print(f"diskbench: {exc}", file=sys.stderr)
+            return 2
+        try:
+            result = run(args, specs)
+        except (StoreFailed, ValueError) as exc:
+            print(f"diskbench: {exc}", file=sys.stderr)
+            return 2
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -15,18 +15,25 @@ lowest-indexed adapter that holds it. ``raw_block`` x N "one drive per key"
 places each key on one adapter instead, as LMCache's open "striped" store
 policy proposes (not in a release): the best a user could configure by
 writing that policy.
+
+Stores a cold tier can run on (``--store``: Redis through LMCache's ``resp``
+adapter, Mooncake Store through our connector, any ``tiered.cold.adapter``
+JSON) are driven the same way, as one adapter each: the figures of the cold
+tier's own reads, without a drive. Their chunks are deleted after each
+placement, leaving the store as found.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import math
 import os
 import select
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -47,6 +54,8 @@ from lmcache.v1.memory_management import (
 )
 from lmcache.v1.platform import consume_fd
 
+from lmcache_tiered._lmcache import parse_l2_adapter
+from lmcache_tiered.bench.common.stores import store_kind
 from lmcache_tiered.bench.disk.rawio import drop_page_cache
 from lmcache_tiered.config import GIB, SETTINGS
 from lmcache_tiered.integration.l2_config import TieredL2AdapterConfig
@@ -156,6 +165,8 @@ class MpContender:
     released: bool = True
     #: after a restart: "recovered" (every chunk found) or "lost"
     restart: str = ""
+    #: a store a cold tier runs on (no drive): not a disk adapter to beat
+    store: bool = False
     #: what its store policy sees of the adapters
     descriptors: list[L2AdapterDescriptor] = field(init=False)
 
@@ -172,6 +183,7 @@ class MpContender:
             "copies": self.copies,
             "released": self.released,
             "restart": self.restart,
+            "store": self.store,
         }
 
     def open(self, desc: L1MemoryDesc) -> list[L2AdapterInterface]:
@@ -269,6 +281,43 @@ def contenders(
                 )
             )
     return found, missing
+
+
+def store_contenders(
+    specs: Sequence[Mapping[str, Any]], arena: Arena
+) -> list[MpContender]:
+    """The stores ``specs`` (``tiered.cold.adapter``'s JSON) name, each one
+    adapter built by LMCache's own parser and factory, named by its kind."""
+    found: list[MpContender] = []
+    for spec in specs:
+        kind = store_kind(spec)
+        name = f"store_{kind.lower()}"
+        if any(c.name == name for c in found):
+            name += f"_{len(found) + 1}"
+        found.append(
+            MpContender(
+                name,
+                f"{kind} store (cold tier, no drive)",
+                arena,
+                [parse_l2_adapter(json.dumps(spec))],
+                create_l2_adapter_from_registry,
+                create_store_policy("default"),
+                [],
+                store=True,
+            )
+        )
+    return found
+
+
+def forget(contender: MpContender) -> None:
+    """Delete the arena's keys from a store contender (LMCache's native
+    adapters delete synchronously; Mooncake's leased objects later)."""
+    adapters = contender.open(contender.arena.desc)
+    try:
+        for adapter in adapters:
+            adapter.delete(contender.arena.keys)
+    finally:
+        close_all(adapters)
 
 
 def _lmcache_spec(

@@ -10,14 +10,15 @@ itself goes through :mod:`lmcache_tiered.bench.model.variants`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from lmcache_tiered.bench.common import plot, report, rules, trace
-from lmcache_tiered.bench.common.args import split_list
+from lmcache_tiered.bench.common import plot, report, rules, stores, trace
+from lmcache_tiered.bench.common.args import OWN_MOONCAKE, split_list
 from lmcache_tiered.bench.common.report import RunResult, ttfts
 from lmcache_tiered.bench.model import presets, rounds
 from lmcache_tiered.bench.model.baseline import ALL_HOT, LOCAL_DISK, NO_EXTERNAL_CACHE
@@ -33,6 +34,8 @@ from lmcache_tiered.bench.model.scenario import (
     make_setup,
 )
 from lmcache_tiered.bench.model.variants import TWIN_MARK, base_of, number_twins
+from lmcache_tiered.config import GIB
+from lmcache_tiered.testing import netns
 from lmcache_tiered.warmup import installed_policies
 
 
@@ -62,24 +65,51 @@ def check_plot_path(path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run every variant on the same workload at each concurrency; print,
-    and write JSON/PNG."""
+    and write JSON/PNG. With ``--cold-adapter mooncake``, first in a network
+    namespace of its own (this command again, there), then on a pool of its
+    own."""
+    own_pool = args.cold_adapter == OWN_MOONCAKE
+    with contextlib.ExitStack() as stack:
+        try:
+            if own_pool and not netns.isolated():
+                option = "--cold-adapter mooncake"
+                return stores.rerun_isolated(args.command_line, option)
+            setup, requests = prepare(args)
+            if own_pool:  # every variant in flight may keep all it stores
+                size = int(setup.cold_gb * GIB) * args.jobs
+                spec = stack.enter_context(stores.mooncake_pool(size))
+                setup = replace(setup, cold_adapter=spec)
+        except (OSError, RuntimeError, ValueError) as exc:
+            print(f"bench: {exc}", file=sys.stderr)
+            return 2
+        return run(args, setup, requests)
+
+
+def plot_path_of(args: argparse.Namespace) -> str | None:
+    return None if args.plot == "none" else str(args.plot)
+
+
+def prepare(args: argparse.Namespace) -> tuple[Setup, list[trace.Request]]:
+    """The options checked, the workload read and the run set up."""
     presets.apply(args.preset, args, args.preset_defaults, args.preset_parse)
+    plot_path = plot_path_of(args)
+    if plot_path is not None:
+        check_plot_path(plot_path)
+    for option in ("repeat", "token_budget", "jobs"):
+        if getattr(args, option) < 1:
+            raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
+    requests = load_requests(args)
+    if not requests:
+        raise ValueError("the workload has no requests")
+    setup = make_setup(args, requests)
+    check_space(setup, requests)
+    return setup, requests
+
+
+def run(args: argparse.Namespace, setup: Setup, requests: list[trace.Request]) -> int:
+    """Every variant at each concurrency; the report."""
     policies = chosen_policies(args.policies)
-    plot_path = None if args.plot == "none" else args.plot
-    try:
-        if plot_path is not None:
-            check_plot_path(plot_path)
-        for option in ("repeat", "token_budget", "jobs"):
-            if getattr(args, option) < 1:
-                raise ValueError(f"--{option.replace('_', '-')} must be at least 1")
-        requests = load_requests(args)
-        if not requests:
-            raise ValueError("the workload has no requests")
-        setup = make_setup(args, requests)
-        check_space(setup, requests)
-    except (OSError, ValueError) as exc:
-        print(f"bench: {exc}", file=sys.stderr)
-        return 2
+    plot_path = plot_path_of(args)
     setups = [replace(setup, concurrency=c) for c in args.concurrency]
     source = args.trace or (
         f"built-in {args.workload} ({trace.WORKLOADS[args.workload].description})"

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from lmcache_tiered.bench.common import trace
-from lmcache_tiered.bench.common.args import split_list
+from lmcache_tiered.bench.common.args import OWN_MOONCAKE, split_list
+from lmcache_tiered.bench.common.stores import store_kind
 from lmcache_tiered.bench.model.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.model.devices import Device, DeviceSpec
 from lmcache_tiered.bench.model.options import (
@@ -233,7 +234,8 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         cold_link=args.cold_link if cold else None,
         warm_drive=args.warm_drive,
         gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
-        cold_adapter=args.cold_adapter,
+        # the bench's own store gets its JSON once started (command.main)
+        cold_adapter=None if args.cold_adapter == OWN_MOONCAKE else args.cold_adapter,
         loading=args.loading,
         restart=args.restart,
         recompute_tokens_per_s=prefill_rate(profile, requests),
@@ -279,7 +281,7 @@ def describe(
     unique = trace.unique_tokens(requests) * shape.bytes_per_token
     if setup.cold_adapter is not None:
         cold = (
-            f"on a real {setup.cold_adapter['type']} store "
+            f"on a real {store_kind(setup.cold_adapter)} store "
             f"{json.dumps(setup.cold_adapter)} (no link model)"
         )
     elif setup.cold_link is not None:
@@ -345,7 +347,7 @@ def compared(setup: Setup) -> str:
     drives = len(setup.warm_paths)
     warm = f"warm on {drives} drive{'s' if drives > 1 else ''}"
     if setup.cold_adapter is not None:
-        cold = f"cold on a real {setup.cold_adapter['type']} store"
+        cold = f"cold on a real {store_kind(setup.cold_adapter)} store"
     elif setup.cold_link is not None:
         cold = f"cold remote behind {setup.cold_link}"
     elif setup.cold_paths:
