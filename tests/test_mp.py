@@ -1148,3 +1148,39 @@ def test_close_is_bounded_when_a_store_hangs(
     assert any(
         "lmcache-tiered-l2-store still busy" in r.getMessage() for r in caplog.records
     )
+
+
+def test_a_batch_stuck_in_io_is_reported_once_with_every_threads_stack(
+    adapter_factory: Callable[..., TieredL2Adapter],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store stuck in I/O past the stall time is logged once, with the
+    stack of every thread (the stuck frame among them), so a hang in the
+    server can be placed from its log; a load on another thread goes on."""
+    monkeypatch.setattr(writer, "STALL_S", 0.3)
+    monkeypatch.setattr(writer, "STALL_CHECK_S", 0.05)
+    adapter = adapter_factory()
+    cache = adapter_cache(adapter)
+    stuck, release = threading.Event(), threading.Event()
+
+    def hung_store(payloads: list[Any]) -> list[bool]:
+        stuck.set()
+        release.wait(30)
+        return [False] * len(payloads)
+
+    with caplog.at_level(logging.WARNING, logger="lmcache_tiered"):
+        assert Caller(adapter).store([okey(1)], [memory_obj(seed=1)])
+        monkeypatch.setattr(cache, "store", hung_store)
+        adapter.submit_store_task([okey(2)], [memory_obj(seed=2)])
+        assert stuck.wait(10)
+        time.sleep(1.0)  # several looks of the watch past the stall time
+        dst = [memory_obj()]
+        assert Caller(adapter).load([okey(1)], dst) == [0]
+        release.set()
+    stalls = [
+        r.getMessage() for r in caplog.records if "inside one batch" in r.getMessage()
+    ]
+    assert len(stalls) == 1, stalls
+    assert stalls[0].startswith("lmcache_tiered: lmcache-tiered-l2-store has been")
+    assert "in hung_store" in stalls[0] and "--- lmcache-tiered-l2-load" in stalls[0]

@@ -30,11 +30,14 @@ import contextlib
 import dataclasses
 import logging
 import queue
+import sys
 import threading
+import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from lmcache.v1.memory_management import MemoryObj
 
@@ -88,6 +91,9 @@ class BatchWorker(Generic[_Job]):
         self._queue: queue.SimpleQueue[_Job | threading.Event | None] = (
             queue.SimpleQueue()
         )
+        #: when the batch being handled began (monotonic s; None: idle), for
+        #: a watch that reports a handler stuck (l2_work.StallWatch)
+        self.busy_since: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -142,15 +148,83 @@ class BatchWorker(Generic[_Job]):
                 i for i in items if i is not None and not isinstance(i, threading.Event)
             ]
             if jobs:
+                self.busy_since = time.monotonic()
                 try:
                     self._handle(jobs)
                 except Exception:
                     logger.exception("lmcache_tiered: %s failed", self._thread.name)
+                finally:
+                    self.busy_since = None
             for item in items:
                 if isinstance(item, threading.Event):
                     item.set()
             if None in items:
                 return
+
+
+#: seconds a worker may spend inside one batch before :class:`StallWatch`
+#: reports it (a drive's health probe gives up on an operation at 30 s too),
+#: and how often it looks
+STALL_S, STALL_CHECK_S = 30.0, 5.0
+
+
+class StallWatch:
+    """Reports a worker stuck inside one batch: once per stall, after
+    ``after_s``, a WARNING naming it with the stack of every thread of the
+    process, so that a hang under LMCache (a drive, a lock, LMCache itself)
+    can be told apart from one in our code from the log alone. One daemon
+    thread looks every ``period_s``; it never touches the workers."""
+
+    def __init__(
+        self,
+        workers: Sequence[BatchWorker[Any]],
+        after_s: float | None = None,
+        period_s: float | None = None,
+    ) -> None:
+        """``after_s``, ``period_s``: default :data:`STALL_S` and
+        :data:`STALL_CHECK_S`."""
+        self.workers = list(workers)
+        self.after_s = STALL_S if after_s is None else after_s
+        self.period_s = STALL_CHECK_S if period_s is None else period_s
+        self._stopped = threading.Event()
+        self._reported: dict[str, float] = {}
+        self._thread = threading.Thread(
+            target=self._run, name="lmcache-tiered-stall-watch", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.period_s):
+            now = time.monotonic()
+            for worker in self.workers:
+                since = worker.busy_since
+                if (
+                    since is None
+                    or now - since < self.after_s
+                    or self._reported.get(worker.name) == since
+                ):
+                    continue
+                self._reported[worker.name] = since
+                logger.warning(
+                    "lmcache_tiered: %s has been inside one batch for %.0f s; "
+                    "the process's threads:\n%s",
+                    worker.name,
+                    now - since,
+                    thread_stacks(),
+                )
+
+
+def thread_stacks() -> str:
+    """Every thread's name and current stack, as a traceback prints them."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 @dataclasses.dataclass(slots=True)

@@ -33,6 +33,8 @@ into cache calls (:mod:`lmcache_tiered.integration.l2_work`):
   and touches (0.5.7: prefixes LMCache's L1 holds) are the warm-up policy's
   signal, one prefix chain per row of keys; there is no LMCache CPU tier
   below the adapter, so promotions go to warm.
+* A thread stuck inside one batch for 30 s is logged once with every
+  thread's stack (:class:`~lmcache_tiered.cache.writer.StallWatch`).
 * Counters per tier, of the warm-up policy and of read-time admission are
   in the adapter's part of the server's ``/status`` and on its Prometheus
   port (``lmcache_tiered_*``, ``instance="kv-mp"``), as in-process.
@@ -65,7 +67,7 @@ from lmcache.v1.memory_management import (
 from lmcache_tiered._lmcache import l2_memory_tags
 from lmcache_tiered.cache import writer
 from lmcache_tiered.cache.tiered_cache import TieredCache, tier_owner
-from lmcache_tiered.cache.writer import BatchWorker
+from lmcache_tiered.cache.writer import BatchWorker, StallWatch
 from lmcache_tiered.config import PREFIX
 from lmcache_tiered.integration.l2_config import TieredL2AdapterConfig, capacity_bytes
 from lmcache_tiered.integration.l2_ledger import L2Ledger
@@ -143,6 +145,7 @@ class TieredL2Adapter(L2Ledger):
         self._loads = Channel[Task, Bitmap](
             self._lock, BatchWorker("lmcache-tiered-l2-load", self._run_loads)
         )
+        self._stall_watch = StallWatch([c.worker for c in self._channels()])
         if settings.hint_port >= 0:
             logger.warning(
                 "lmcache_tiered: warmup.hint_port is ignored by TieredL2Adapter: "
@@ -417,6 +420,7 @@ class TieredL2Adapter(L2Ledger):
                     channel.worker.name,
                     wait,
                 )
+        self._stall_watch.stop()
         if self.cache is not None:
             collector().remove_source(self._metrics_label)
             self.cache.close()
