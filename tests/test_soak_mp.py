@@ -84,6 +84,9 @@ class MadeUp(Driver):
     def where(self, conversation: int, depth: int, chunk: int) -> str:
         return f"tier-of-{conversation}/{chunk}"
 
+    def close(self) -> None:
+        pass
+
 
 def test_a_restarted_driver_counts_losses_wrong_chunks_and_damage_allowances() -> None:
     """Two chunks (256 tokens) per 512-token block. Conversation 1 is served

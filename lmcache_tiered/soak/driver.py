@@ -13,6 +13,7 @@ May touch: what its subclass touches; nothing itself.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -51,6 +52,24 @@ class Driver(ABC):
         self._ops = self._wrong = 0
         self._slowest = 0.0
         self._last_tick = time.monotonic()
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the driver holds (an engine, a server's client)."""
+
+    @classmethod
+    def main(cls, description: str | None) -> None:
+        """A driver process's entry point: the path of its JSON spec on the
+        command line; it runs until killed, then closes."""
+        parser = argparse.ArgumentParser(description=description)
+        parser.add_argument("spec", help="the soak's JSON spec of this process")
+        with open(parser.parse_args().spec) as f:
+            spec = json.load(f)
+        driver = cls(spec)
+        try:
+            driver.run(dict(spec["acked"]), dict(spec["damaged"]))
+        finally:
+            driver.close()
 
     # --------------------------------------------------------------- bytes
 

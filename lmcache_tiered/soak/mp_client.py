@@ -21,7 +21,6 @@ the damage it is asked for), the server's L1 (the damaged chunk); nothing else.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -303,16 +302,7 @@ class MpClient(Driver):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("spec", help="the soak's JSON spec of this client")
-    args = parser.parse_args()
-    with open(args.spec) as f:
-        spec = json.load(f)
-    client = MpClient(spec)
-    try:
-        client.run(dict(spec["acked"]), dict(spec["damaged"]))
-    finally:
-        client.close()
+    MpClient.main(__doc__)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ May touch: its engine, the tier files under the directories it is given
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import time
 from typing import Any
@@ -50,6 +48,9 @@ class Worker(Driver):
         backend = testing.get_backends(self.engine)["tiered"]
         assert isinstance(backend, TieredBackend) and backend.cache is not None
         self.cache = backend.cache
+
+    def close(self) -> None:
+        testing.destroy_engine(self.engine)
 
     def state(self) -> dict[str, Any]:
         metrics = self.cache.snapshot()
@@ -125,16 +126,7 @@ class Worker(Driver):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("spec", help="the soak's JSON spec of this worker")
-    args = parser.parse_args()
-    with open(args.spec) as f:
-        spec = json.load(f)
-    worker = Worker(spec)
-    try:
-        worker.run(dict(spec["acked"]), dict(spec["damaged"]))
-    finally:
-        testing.destroy_engine(worker.engine)
+    Worker.main(__doc__)
 
 
 if __name__ == "__main__":
