@@ -46,6 +46,7 @@ from lmcache_tiered.ops.records import TierFiles, ToolError, newest
 from lmcache_tiered.soak.driver import ACK_TIMEOUT_S, Driver
 from lmcache_tiered.soak.workload import BLOCK_TOKENS, CHUNK_TOKENS
 from lmcache_tiered.testing import CPUConnector
+from lmcache_tiered.testing.lmcache import mp_wire_tokens
 
 #: The model name of the soak's keys, and vLLM's paged KV block (tokens).
 MODEL, PAGE_TOKENS = "soak", 16
@@ -173,7 +174,7 @@ class MpClient(Driver):
 
     def _lookup(self, rid: str, tokens: list[int]) -> int:
         """The tokens the server holds a prefix of (after its L2 prefetch)."""
-        self.scheduler.maybe_submit_lookup_request(rid, tokens)
+        self.scheduler.maybe_submit_lookup_request(rid, mp_wire_tokens(tokens))
         deadline = time.monotonic() + MQ_TIMEOUT_S
         while (hit := self.scheduler.check_lookup_result(rid)) is None:
             if time.monotonic() > deadline:
@@ -192,7 +193,7 @@ class MpClient(Driver):
         started = time.monotonic()
         hit = self._lookup(rid, tokens)
         if hit:
-            op = LoadStoreOp(tokens, self._pages(hit), 0, hit)
+            op = LoadStoreOp(mp_wire_tokens(tokens), self._pages(hit), 0, hit)
             self.worker.submit_retrieve_request(rid, op, None)
             future, _ = self.worker.retrieve_futures.pop(rid)
             if not future.result(timeout=MQ_TIMEOUT_S):
@@ -215,7 +216,11 @@ class MpClient(Driver):
         rid = self.request_id()
         self._fill(self.kv(conversation, depth))
         self.worker.submit_store_request(
-            rid, LoadStoreOp(tokens, self._pages(len(tokens)), 0, len(tokens)), None
+            rid,
+            LoadStoreOp(
+                mp_wire_tokens(tokens), self._pages(len(tokens)), 0, len(tokens)
+            ),
+            None,
         )
         stored = self.worker.store_futures.pop(rid).result(timeout=MQ_TIMEOUT_S)
         self.scheduler.end_session(rid)

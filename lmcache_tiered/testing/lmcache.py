@@ -6,6 +6,7 @@ imported from its path first, then 0.5.6's, on first use.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -164,6 +165,17 @@ def read_disk_backend_keys_in_turn(backend: Any) -> None:
         return [get(key) for key in keys]
 
     backend.batched_get_blocking = batched_get_blocking
+
+
+def mp_wire_tokens(token_ids: list[int]) -> Any:
+    """Token ids as LMCache's multi-process client classes take them (a
+    lookup's and a ``LoadStoreOp``'s): packed big-endian ``uint32`` bytes
+    since 0.5.7 (``lmcache.v1.multiprocess.token_codec``), the list in 0.5.6."""
+    try:
+        codec = importlib.import_module("lmcache.v1.multiprocess.token_codec")
+    except ModuleNotFoundError:
+        return list(token_ids)
+    return codec.pack_token_ids(token_ids)
 
 
 #: ``lmcache server``'s L1 eviction (LMCache's defaults, given explicitly):
