@@ -859,6 +859,31 @@ def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
     assert REGISTRY.get_sample_value(promoted, exported) is None
 
 
+def test_a_store_of_several_requests_chunks_is_their_chains_apart(
+    adapter_factory: Callable[..., TieredL2Adapter],
+) -> None:
+    """LMCache's server stores the new chunks of several requests in one
+    task, in one row. Their lookups named each request's chain: the policy
+    sees two stores, and the next turn of the first extends its own chain,
+    not one that ends in the other request's chunks."""
+    adapter = adapter_factory(**{"warmup.policy": "session"})
+    caller = Caller(adapter)
+    first = [okey(i) for i in range(3)]
+    second = [okey(i) for i in range(10, 12)]
+    assert caller.lookup(first) == [] and caller.lookup(second) == []
+    both = first + second
+    assert caller.store(both, [memory_obj() for _ in both])
+    cache = adapter_cache(adapter)
+    assert cache.chains.continuation(first[-1], 4) == []
+    assert cache.chains.continuation(first[0], 4) == first[1:]
+    policy = cache.policy
+    assert policy.tracked_sessions == 2  # type: ignore[attr-defined]
+    # the next turn: a lookup that ends the first session (its gap is learned)
+    assert caller.lookup([*first, okey(3)]) == [0, 1, 2]
+    assert policy.tracked_sessions == 1  # type: ignore[attr-defined]
+    adapter.submit_unlock(first)
+
+
 def test_touch_keeps_chunks_recent_without_locking_them(
     adapter_factory: Callable[..., TieredL2Adapter],
 ) -> None:

@@ -327,13 +327,19 @@ class TieredCache:
     # ---------------------------------------------------------------- lookups
 
     def lookup(
-        self, keys: Sequence[StoreKey], pin: bool = False, *, prefix: bool = False
+        self,
+        keys: Sequence[StoreKey],
+        pin: bool = False,
+        *,
+        prefix: bool = False,
+        rooted: bool = False,
     ) -> list[bool]:
         """Which of ``keys`` (one prefix chain, in order) warm or cold holds;
         those are pinned on request where they are and their recency is
         refreshed. With ``prefix`` the keys after the first miss count as
-        misses and are left alone. The policy sees the whole lookup, with the
-        leading run of hits as the prefix found: lookups are its signal."""
+        misses and are left alone; ``rooted``: ``keys`` start at a prompt's
+        first chunk. The policy sees the whole lookup, with the leading run
+        of hits as the prefix found: lookups are its signal."""
         held = [False] * len(keys)
         cold = self.tiers.get("cold")
         if cold is not None and cold.supports_discovery:
@@ -350,7 +356,7 @@ class TieredCache:
             by_tier.setdefault(tier, []).append(key)
         for tier, tier_keys in by_tier.items():
             self.tiers[tier].touch(tier_keys, pin)
-        self.chains.learn(keys)
+        self.chains.learn(keys, rooted)
         hits = next((i for i, h in enumerate(held) if not h), len(held))
         self.promoter.scheduled(keys)
         self._plan(self.policy.on_lookup, keys, hits)

@@ -140,13 +140,16 @@ def store_tasks(
     """Write all tasks' new chunks (``views``: their borrowed buffers) in one
     batch, synchronously: a task succeeds when every one of its chunks is
     stored (now or before)."""
-    # the policy sees each row as a chain, and picks what to write
+    # the policy sees each request's chunks in a row as a chain, and picks
+    # what to write
     chosen = [[False] * len(task.keys) for task in tasks]
     for task, picks in zip(tasks, chosen, strict=True):
         for row in rows(task.keys):
-            new = cache.select_new(task.keys[row.start : row.stop])
-            for i, pick in zip(row, new, strict=True):
-                picks[i] = pick
+            for run in cache.chains.runs(task.keys[row.start : row.stop]):
+                chain = range(row.start + run.start, row.start + run.stop)
+                new = cache.select_new(task.keys[chain.start : chain.stop])
+                for i, pick in zip(chain, new, strict=True):
+                    picks[i] = pick
     plan = [
         (n, i, view)
         for n, (picks, task_views) in enumerate(zip(chosen, views, strict=True))
@@ -180,7 +183,9 @@ def lookup(
     try:
         for row in rows(keys):
             chain = keys[row.start : row.stop]
-            held = cache.lookup(chain, pin=pin)
+            # LMCache's prefetch asks L2 for a prompt's every key, from its
+            # first chunk (prefetch_controller.py, "we submit the full keys")
+            held = cache.lookup(chain, pin=pin, rooted=True)
             prefix = next((i for i, h in enumerate(held) if not h), len(held))
             admitted = cache.admitted(chain, prefix, pin)
             for i, hit in zip(row, held, strict=True):
