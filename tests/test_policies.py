@@ -25,6 +25,7 @@ from lmcache_tiered.warmup import (
     registry,
 )
 from lmcache_tiered.warmup.base import TierName
+from lmcache_tiered.warmup.chains import ChainIndex
 
 BUILT_INS = ["frequency", "hinted", "lookahead", "none", "session"]
 
@@ -194,6 +195,26 @@ def test_session_leaves_the_hot_stage_to_arrival_hints_when_they_come(
     plans = policy.on_hint(chain, None)
     assert planned(plans) == {"warm": chain, "hot": chain}
     assert {p.request for p in plans} == {chain[-1]}
+
+
+
+def test_session_learns_turns_that_store_nothing(view: FakeView) -> None:
+    """After a restart every turn is found whole and stores nothing: the
+    turn is its lookup, and its gap runs from there. vLLM asking again for
+    a request it could not schedule is not a turn."""
+    policy = load_policy("session", view, {"lead_s": 1.0, "warm_lead_s": 5.0})
+    t0 = view.clock
+    turn1, turn2 = make_keys(3), make_keys(5)
+    view.put(turn2, "warm")
+    policy.on_lookup(turn1, 3)
+    view.clock = t0 + 0.5
+    policy.on_lookup(turn1, 3)  # the same request again
+    view.clock = t0 + 10
+    policy.on_lookup(turn2, 5)  # the next turn: a gap of 10 s
+    seen = view.clock
+    view.put(turn2, "cold")
+    assert policy.on_tick(seen + 4.9) == []
+    assert planned(policy.on_tick(seen + 5.0)) == {"warm": turn2}
 
 
 def test_session_tracks_bounded_number_of_sessions(view: FakeView) -> None:
@@ -380,3 +401,16 @@ def test_parameters_from_yaml_strings_get_their_types(view: FakeView) -> None:
 )
 def test_parameter_conversion(kind: object, raw: object, value: object) -> None:
     assert registry._coerce("tiered.warmup.p.x", kind, raw) == value
+
+
+def test_chain_runs_cut_where_a_learned_parent_is_another_key() -> None:
+    """Two prompts looked up (each from its first chunk), then their new
+    chunks side by side in one store: two runs. Keys never seen are one."""
+    index = ChainIndex()
+    first, second = make_keys(3), make_keys(2, start=10)
+    index.learn(first, rooted=True)
+    index.learn(second, rooted=True)
+    assert index.runs(first + second) == [range(0, 3), range(3, 5)]
+    assert index.runs(first[1:] + second[1:]) == [range(0, 2), range(2, 3)]
+    assert index.runs(make_keys(4, start=20)) == [range(0, 4)]
+    assert index.continuation(first[0], 8) == first[1:]
