@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,14 +28,18 @@ from e2e.vllm_phases import (
     free_port,
     full_chunks,
     phase_env,
+    prompts,
     run_phase,
 )
 
 pytestmark = pytest.mark.e2e
 
 
-def server_command(port: int, http_port: int, warm: Path, engine: str) -> list[str]:
-    """The ``lmcache server`` command line (as in the README)."""
+def server_command(
+    port: int, http_port: int, warm: Path, engine: str, **params: Any
+) -> list[str]:
+    """The ``lmcache server`` command line (as in the README); ``params``
+    are more adapter settings."""
     adapter = {
         "type": "plugin",
         "module_path": "lmcache_tiered.mp",
@@ -45,6 +49,7 @@ def server_command(port: int, http_port: int, warm: Path, engine: str) -> list[s
             "warm.capacity_gb": 0.05,
             "io_engine": engine,
             "warmup.policy": "none",
+            **params,
         },
     }
     lmcache = str(Path(sys.executable).with_name("lmcache"))
@@ -73,7 +78,7 @@ def adapter_status(http_port: int) -> dict[str, Any]:
 
 @contextmanager
 def lmcache_server(
-    name: str, workdir: Path, warm: Path, engine: str
+    name: str, workdir: Path, warm: Path, engine: str, **params: Any
 ) -> Iterator[tuple[int, int]]:
     """A running server (its port and HTTP port) until the block ends, then
     stopped with SIGINT as Ctrl-C would."""
@@ -81,7 +86,7 @@ def lmcache_server(
     log = (workdir / f"{name}.log").open("w")
     started = time.monotonic()
     proc = subprocess.Popen(
-        server_command(port, http_port, warm, engine),
+        server_command(port, http_port, warm, engine, **params),
         stdout=log,
         stderr=subprocess.STDOUT,
         env=phase_env(LMCACHE_DISABLE_BANNER="1"),
@@ -116,13 +121,29 @@ def lmcache_server(
     assert proc.returncode in (0, 130) and "MPCacheServer closed" in text, text[-4000:]
 
 
-def wait_for_chunks(http_port: int, chunks: int) -> dict[str, Any]:
-    """The adapter's status once warm holds ``chunks`` (stores are async)."""
+def wait_for(http_port: int, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The adapter's status once ``done`` says so (stores are async)."""
     deadline = time.monotonic() + CHUNK_COUNT_TIMEOUT_S
-    while (warm := adapter_status(http_port)["tiers"]["warm"])["chunks"] < chunks:
-        assert time.monotonic() < deadline, warm
+    while not done(adapter := adapter_status(http_port)):
+        assert time.monotonic() < deadline, json.dumps(
+            {
+                "tiers": {
+                    name: {k: tier[k] for k in ("chunks", "puts", "hits", "evictions")}
+                    for name, tier in adapter["tiers"].items()
+                },
+                "warmup": adapter["warmup"],
+            }
+        )
         time.sleep(0.2)
-    return warm
+    return adapter
+
+
+def wait_for_chunks(http_port: int, chunks: int) -> dict[str, Any]:
+    """The warm tier's status once it holds ``chunks``."""
+    adapter = wait_for(
+        http_port, lambda a: bool(a["tiers"]) and a["tiers"]["warm"]["chunks"] >= chunks
+    )
+    return dict(adapter["tiers"]["warm"])
 
 
 def test_store_restart_serves_every_chunk_from_warm(
@@ -191,3 +212,60 @@ def test_arrival_hints_warm_the_servers_l1_before_each_lookup(
     # one warm prefetch taken per request (the busy one's has nothing stored)
     taken = server_log.count('"POST /cache/prefetches HTTP/1.1" 202')
     assert taken == len(baseline["ids"]) + 1, server_log[-4000:]
+
+
+def test_lookahead_promotes_a_chains_continuation_from_cold_to_warm(
+    workdir: Path, model_dir: Path
+) -> None:
+    """A warm tier of a few slots over a cold tier. Prompt A (4 chunks) is
+    stored, then prompt B (3 chunks): warm cannot hold them all, so some of A
+    is in cold. A third run asks for A's first chunk only (LMCache's L1
+    serves it): our lookup finds it, and ``lookahead`` copies the rest of A's
+    chain, learned at its lookup and not asked for, from cold to warm."""
+    warm_dir, cold_dir = workdir / "mp-promote-warm", workdir / "mp-promote-cold"
+    warm_dir.mkdir()
+    cold_dir.mkdir()
+    slot_mb = 0.25  # a chunk of the tiny model is 128 KiB
+    tiers = {
+        "slot_mb": slot_mb,
+        "warm.capacity_gb": 3 * slot_mb / 1024,
+        "cold.paths": [str(cold_dir)],
+        "warmup.policy": "lookahead",
+    }
+    a, b = prompts()
+    spec = {"model": str(model_dir), "connector": "mp", "api": "llm"}
+    with lmcache_server("mp-promote", workdir, warm_dir, "auto", **tiers) as (
+        port,
+        http,
+    ):
+        for name, prompt, stored in (("a", a, 4), ("b", b, 7)):
+            run_phase(
+                f"mp-promote-{name}",
+                workdir,
+                spec | {"mp_port": port, "prompts": [prompt]},
+            )
+            held = wait_for(
+                http,
+                lambda s, n=stored: (
+                    bool(s["tiers"])  # they open at the first store
+                    and s["tiers"]["warm"]["chunks"] + s["tiers"]["cold"]["chunks"] >= n
+                ),
+            )["tiers"]
+        assert held["warm"]["chunks"] <= 3
+        writes = [held[t]["bytes_written"] / held[t]["puts"] for t in ("warm", "cold")]
+        assert writes[0] == writes[1]  # every chunk is the same size
+        chunk_bytes = writes[0]
+        run_phase(
+            "mp-promote-lookup",
+            workdir,
+            spec | {"mp_port": port, "prompts": [a[: CHUNK + 44]]},
+        )
+        promoted = wait_for(http, lambda s: s["warmup"]["plans"] >= 1)["warmup"]
+        # A's chunks 2-4 that were in cold (not all fit in warm): one plan
+        assert 1 <= promoted["keys_planned"] <= 3
+        want = promoted["keys_planned"] * chunk_bytes
+        warmup = wait_for(http, lambda s: s["warmup"]["bytes_promoted_warm"] >= want)[
+            "warmup"
+        ]
+        assert warmup["policy"] == "lookahead"
+        assert warmup["plans"] == 1 and warmup["bytes_promoted_warm"] == want
