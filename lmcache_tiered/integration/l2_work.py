@@ -130,6 +130,17 @@ def rows(keys: Sequence[ObjectKey]) -> list[range]:
     return rows
 
 
+def chains(cache: TieredCache, keys: Sequence[ObjectKey]) -> list[range]:
+    """Index ranges of ``keys``, one per request's chain: each row cut where
+    the lookups taught that a key follows another than the one before it
+    (LMCache's server stores several requests' new chunks in one row)."""
+    return [
+        range(row.start + run.start, row.start + run.stop)
+        for row in rows(keys)
+        for run in cache.chains.runs(keys[row.start : row.stop])
+    ]
+
+
 def row_of(key: ObjectKey) -> tuple[str, int, int, str]:
     return key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
 
@@ -140,16 +151,13 @@ def store_tasks(
     """Write all tasks' new chunks (``views``: their borrowed buffers) in one
     batch, synchronously: a task succeeds when every one of its chunks is
     stored (now or before)."""
-    # the policy sees each request's chunks in a row as a chain, and picks
-    # what to write
+    # the policy sees each request's chunks as a chain, and picks what to write
     chosen = [[False] * len(task.keys) for task in tasks]
     for task, picks in zip(tasks, chosen, strict=True):
-        for row in rows(task.keys):
-            for run in cache.chains.runs(task.keys[row.start : row.stop]):
-                chain = range(row.start + run.start, row.start + run.stop)
-                new = cache.select_new(task.keys[chain.start : chain.stop])
-                for i, pick in zip(chain, new, strict=True):
-                    picks[i] = pick
+        for chain in chains(cache, task.keys):
+            new = cache.select_new(task.keys[chain.start : chain.stop])
+            for i, pick in zip(chain, new, strict=True):
+                picks[i] = pick
     plan = [
         (n, i, view)
         for n, (picks, task_views) in enumerate(zip(chosen, views, strict=True))

@@ -172,9 +172,10 @@ class MpClient(Driver):
 
     # ---------------------------------------------------------------- reads
 
-    def _lookup(self, rid: str, tokens: list[int]) -> int:
-        """The tokens the server holds a prefix of (after its L2 prefetch)."""
-        self.scheduler.maybe_submit_lookup_request(rid, mp_wire_tokens(tokens))
+    def _lookup(self, rid: str, wire_tokens: Any) -> int:
+        """The tokens the server holds a prefix of (after its L2 prefetch);
+        ``wire_tokens`` as :func:`mp_wire_tokens` gives them."""
+        self.scheduler.maybe_submit_lookup_request(rid, wire_tokens)
         deadline = time.monotonic() + MQ_TIMEOUT_S
         while (hit := self.scheduler.check_lookup_result(rid)) is None:
             if time.monotonic() > deadline:
@@ -191,9 +192,10 @@ class MpClient(Driver):
         for cache in self.kv_caches.values():
             cache.zero_()  # a chunk not retrieved must not pass as served
         started = time.monotonic()
-        hit = self._lookup(rid, tokens)
+        wire_tokens = mp_wire_tokens(tokens)
+        hit = self._lookup(rid, wire_tokens)
         if hit:
-            op = LoadStoreOp(mp_wire_tokens(tokens), self._pages(hit), 0, hit)
+            op = LoadStoreOp(wire_tokens, self._pages(hit), 0, hit)
             self.worker.submit_retrieve_request(rid, op, None)
             future, _ = self.worker.retrieve_futures.pop(rid)
             if not future.result(timeout=MQ_TIMEOUT_S):

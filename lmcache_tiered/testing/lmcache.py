@@ -6,13 +6,14 @@ imported from its path first, then 0.5.6's, on first use.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lmcache_tiered._lmcache import lazy_name, unsupported
 from lmcache_tiered.testing.ports import free_port
@@ -171,11 +172,19 @@ def mp_wire_tokens(token_ids: list[int]) -> Any:
     """Token ids as LMCache's multi-process client classes take them (a
     lookup's and a ``LoadStoreOp``'s): packed big-endian ``uint32`` bytes
     since 0.5.7 (``lmcache.v1.multiprocess.token_codec``), the list in 0.5.6."""
+    pack = _token_packer()
+    return list(token_ids) if pack is None else pack(token_ids)
+
+
+@functools.cache
+def _token_packer() -> Callable[[list[int]], bytes] | None:
+    """0.5.7's packer, looked for once (a failed import is not cached by
+    Python: 0.5.6 would search for it at every request)."""
     try:
         codec = importlib.import_module("lmcache.v1.multiprocess.token_codec")
     except ModuleNotFoundError:
-        return list(token_ids)
-    return codec.pack_token_ids(token_ids)
+        return None
+    return cast("Callable[[list[int]], bytes]", codec.pack_token_ids)
 
 
 #: ``lmcache server``'s L1 eviction (LMCache's defaults, given explicitly):

@@ -122,9 +122,10 @@ def lmcache_server(
 
 
 def wait_for(http_port: int, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """The adapter's status once ``done`` says so (stores are async)."""
+    """The adapter's status once its tiers are open (at the first store) and
+    ``done`` says so (stores are async)."""
     deadline = time.monotonic() + CHUNK_COUNT_TIMEOUT_S
-    while not done(adapter := adapter_status(http_port)):
+    while not ((adapter := adapter_status(http_port))["tiers"] and done(adapter)):
         assert time.monotonic() < deadline, json.dumps(
             {
                 "tiers": {
@@ -140,10 +141,8 @@ def wait_for(http_port: int, done: Callable[[dict[str, Any]], bool]) -> dict[str
 
 def wait_for_chunks(http_port: int, chunks: int) -> dict[str, Any]:
     """The warm tier's status once it holds ``chunks``."""
-    adapter = wait_for(
-        http_port, lambda a: bool(a["tiers"]) and a["tiers"]["warm"]["chunks"] >= chunks
-    )
-    return dict(adapter["tiers"]["warm"])
+    adapter = wait_for(http_port, lambda a: a["tiers"]["warm"]["chunks"] >= chunks)
+    return adapter["tiers"]["warm"]
 
 
 def test_store_restart_serves_every_chunk_from_warm(
@@ -247,8 +246,7 @@ def test_lookahead_promotes_a_chains_continuation_from_cold_to_warm(
             held = wait_for(
                 http,
                 lambda s, n=stored: (
-                    bool(s["tiers"])  # they open at the first store
-                    and s["tiers"]["warm"]["chunks"] + s["tiers"]["cold"]["chunks"] >= n
+                    s["tiers"]["warm"]["chunks"] + s["tiers"]["cold"]["chunks"] >= n
                 ),
             )["tiers"]
         assert held["warm"]["chunks"] <= 3
