@@ -170,3 +170,33 @@ def test_a_pool_of_its_own_is_refused_where_it_could_reach_out(
     assert "where the other --store cannot be reached" in capsys.readouterr().err
     assert cli.main(["diskbench", "--store", redis]) == 2
     assert "--store adds contenders to --mp" in capsys.readouterr().err
+
+
+def test_a_soak_on_a_mooncake_pool_of_its_own_passes_its_outages(
+    tmp_path: Path,
+) -> None:
+    """``soak --store mooncake``: the soak runs itself again in a namespace
+    of its own, its cold tier on a pool of its own whose master is stopped,
+    then its memory process killed (back empty), then its master killed and
+    restarted, then its memory process stopped, a worker killed between:
+    nothing wrong, nothing acknowledged lost, served again after each."""
+    require_mooncake()
+    out = tmp_path / "soak.json"
+    done = lmcache_tiered(
+        "soak", "--store", "mooncake", "--duration", "60s",
+        "--faults", "store=14s,kill=30s", "--outage", "8s",
+        "--dir", str(tmp_path / "run"), "--json", str(out), "--plot", "none",
+    )  # fmt: skip
+    assert "PASS" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["store"] == "Mooncake pool" and result["failures"] == []
+    outages = [f["what"] for f in result["faults"] if f["kind"] == "store"]
+    assert outages == [
+        "master SIGSTOP 8 s",
+        "memory process killed, restarted empty after 8 s",
+        "master killed, restarted after 8 s",
+        "memory process SIGSTOP 8 s",
+    ]
+    assert result["restarts"] == 1 and result["checked_chunks"] > 0
+    assert result["wrong_chunks"] == 0 and result["lost_chunks"] == 0
+    assert result["not_back"] == []

@@ -5,10 +5,10 @@ A worker process (:mod:`lmcache_tiered.soak.worker`) runs the plugin in a
 real LMCache engine and checks every byte it is served. On its schedule the
 soak kills the worker with SIGKILL and starts a new one on the same
 directories (every acknowledged chunk must then be served exact), stops,
-kills or fills the cold store (a redis-server of its own, written through)
-and brings it back, and has the worker damage a record on disk (a miss,
-never wrong bytes). It samples the worker's RSS, open files and threads, and
-draws them with the faults (:mod:`lmcache_tiered.soak.report`).
+kills or fills the cold store (a redis-server or a Mooncake pool of its own,
+written through) and brings it back, and has the worker damage a record on
+disk (a miss, never wrong bytes). It samples the worker's RSS, open files
+and threads, and draws them with the faults (:mod:`lmcache_tiered.soak.report`).
 
     lmcache-tiered soak --duration 72h --faults kill=1h,store=20m,damage=5m
 
@@ -80,9 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--store",
-        choices=("auto", "redis", "none"),
+        choices=("auto", "redis", "mooncake", "none"),
         default="auto",
-        help="cold tier on a redis-server of the soak's own (auto: if installed)",
+        help="cold tier on a redis-server of the soak's own (auto: if "
+        "installed), or a Mooncake pool of its own on loopback (the run goes "
+        "in a network namespace of its own, which needs root)",
     )
     parser.add_argument(
         "--warm", nargs="+", help="warm tier directories (default: one under --dir)"

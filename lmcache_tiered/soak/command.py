@@ -4,8 +4,8 @@ faults on a schedule, samples, and the verdict. Its options and help text
 are in :mod:`lmcache_tiered.cli.soak`.
 
 May touch: the directories it is given (``--dir``, ``--warm``), removed at
-the end unless given; the redis-server and lmcache servers it starts; the
-report files it is told.
+the end unless given; the store (redis-server or Mooncake pool) and lmcache
+servers it starts; the report files it is told.
 """
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lmcache_tiered.bench.common.stores import rerun_isolated
 from lmcache_tiered.config import PREFIX, plugin_extra_config
 from lmcache_tiered.soak.processes import MpWorker, WorkerProcess
-from lmcache_tiered.soak.redis_server import RedisServer
 from lmcache_tiered.soak.report import BACK_S, Fault, Sample, SoakResult, report
+from lmcache_tiered.soak.stores import MooncakeStore, RedisStore, SoakStore
 from lmcache_tiered.soak.workload import CHUNK_TOKENS, Conversations
+from lmcache_tiered.testing import netns
 
 #: Bytes on disk of one soak chunk (tiny model: 1 KiB per token) and header.
 _CHUNK_DISK_BYTES = CHUNK_TOKENS * 1024 + 8192
@@ -55,13 +58,9 @@ class Soak:
         #: conversations whose last chunk at that depth the worker damaged
         self.damaged: dict[str, int] = {}
         self.requests = 0
-        self.store: RedisServer | None = None
+        self.store = self._start_store()
         self.store_down = False
-        if args.store == "redis" or (
-            args.store == "auto" and shutil.which("redis-server")
-        ):
-            self.store = RedisServer()
-        self.result.store = "redis-server" if self.store else "none"
+        self.result.store = self.store.name if self.store else "none"
         self.warm = args.warm or [str(scratch / "warm")]
         for path in self.warm:
             os.makedirs(path, exist_ok=True)
@@ -79,17 +78,34 @@ class Soak:
         except BaseException:
             self.log.close()
             if self.store is not None:
-                self.store.kill()
+                self.store.close()
             raise
+
+    def _start_store(self) -> SoakStore | None:
+        kind = self.args.store
+        if kind == "auto":
+            kind = "redis" if shutil.which("redis-server") else "none"
+        if kind == "redis":
+            return RedisStore()
+        if kind == "mooncake":
+            return MooncakeStore(
+                int(self._capacity_gb() * 2**30), self.scratch / "mooncake"
+            )
+        return None
+
+    def _capacity_gb(self) -> float:
+        """Warm (and cold) capacity: by default all conversations fit, so an
+        acknowledged chunk that is missing was lost, not evicted."""
+        return self.args.warm_gb or (
+            1.25 * self.conversations.chunk_count * _CHUNK_DISK_BYTES / 2**30
+        )
 
     # ---------------------------------------------------------- the worker
 
     def _settings(self) -> dict[str, Any]:
         """The tiers' settings (``tiered.*`` without the prefix): warm on the
         directories, cold on the store, written through; both hold it all."""
-        capacity_gb = self.args.warm_gb or (
-            1.25 * self.conversations.chunk_count * _CHUNK_DISK_BYTES / 2**30
-        )
+        capacity_gb = self._capacity_gb()
         settings = {"warm.paths": self.warm, "warm.capacity_gb": capacity_gb}
         if self.store is not None:
             settings["cold.adapter"] = self.store.spec
@@ -223,23 +239,14 @@ class Soak:
             self.worker.damage()
             return Fault(start, start, "damage", "a payload byte flipped")
         assert self.store is not None
+        outages = self.store.outages()
+        outage = outages[count % len(outages)]
         self.store_down = True
-        if count % 3 == 0:
-            self.store.signal(signal.SIGSTOP)
-            self._drain(time.monotonic() + self.args.outage)
-            self.store.signal(signal.SIGCONT)
-            what = f"SIGSTOP {self.args.outage:g} s"
-        elif count % 3 == 2:
-            self.store.fill(True)
-            self._drain(time.monotonic() + self.args.outage)
-            self.store.fill(False)
-            what = f"full, writes refused {self.args.outage:g} s"
-        else:
-            self.store.kill()
-            self._drain(time.monotonic() + self.args.outage)
-            self.store.start()
-            what = f"killed, restarted empty after {self.args.outage:g} s"
+        outage.begin()
+        self._drain(time.monotonic() + self.args.outage)
+        outage.end()
         self.store_down = False
+        what = f"{outage.what} {self.args.outage:g} s"
         return Fault(start, self.elapsed(), "store", what)
 
     def _drain_until_end(self) -> None:
@@ -263,7 +270,10 @@ class Soak:
 
     def run(self) -> SoakResult:
         if self.store is None and "store" in self.args.faults:
-            self.result.notes.append("no store fault: no redis-server here")
+            self.result.notes.append(
+                "no store fault: no cold store (--store none, or auto without "
+                "redis-server)"
+            )
         next_sample = self.started
         every = min(self.args.duration / PROGRESS_LINES, PROGRESS_MAX_S)
         next_progress = self.started + every
@@ -324,18 +334,29 @@ class Soak:
     def close(self) -> None:
         self.worker.kill()
         if self.store is not None:
-            self.store.signal(signal.SIGCONT)
-            self.store.kill()
+            self.store.close()
         self.log.close()
 
 
 def run(args: argparse.Namespace) -> int:
+    """The soak; with ``--store mooncake`` first in a network namespace of
+    its own (this command again, there)."""
+    if args.store == "mooncake" and not netns.isolated():
+        try:
+            return rerun_isolated(args.command_line, "--store mooncake")
+        except ValueError as exc:
+            print(f"soak: {exc}", file=sys.stderr)
+            return 2
     if args.dir:
         scratch = Path(args.dir)
         scratch.mkdir(parents=True, exist_ok=True)
     else:
         scratch = Path(tempfile.mkdtemp(prefix="lmcache-tiered-soak-"))
-    soak = Soak(args, scratch)
+    try:
+        soak = Soak(args, scratch)
+    except RuntimeError as exc:  # a store that did not start, Mooncake missing
+        print(f"soak: {exc}", file=sys.stderr)
+        return 2
     print(
         f"soak: {args.duration / 60:g} min, faults "
         f"{', '.join(f'{k} every {p:g} s' for k, p in args.faults.items()) or 'none'}"

@@ -135,6 +135,12 @@ class MooncakePool:
             "mooncake_client",
         )  # fmt: skip
 
+    def signal(self, which: str, signum: int) -> None:
+        """Send ``master`` or ``memory`` a signal (SIGSTOP, SIGCONT), if up."""
+        proc = getattr(self, which)
+        if proc is not None:
+            proc.send_signal(signum)
+
     def kill(self, which: str) -> None:
         """SIGKILL ``master`` or ``memory`` (by its PID) and reap it."""
         proc = getattr(self, which)
