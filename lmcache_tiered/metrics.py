@@ -110,6 +110,13 @@ class WarmupStats:
     #: bytes of those that a retrieve then took (not in ``bytes_used``,
     #: which counts what the promoter read)
     bytes_used_in_place: int = 0
+    #: copies to warm a demand read then took from warm, and their bytes
+    warm_used: int = 0
+    bytes_used_warm: int = 0
+    #: copies to warm evicted, or not read by their plan's deadline, and
+    #: their bytes
+    warm_wasted: int = 0
+    bytes_wasted_warm: int = 0
 
     @property
     def precision(self) -> float | None:
@@ -117,6 +124,13 @@ class WarmupStats:
         if not self.bytes_promoted_hot:
             return None
         return self.bytes_used / self.bytes_promoted_hot
+
+    @property
+    def precision_warm(self) -> float | None:
+        """Share of the settled copies to warm (used or wasted), in bytes,
+        that a demand read took; None before any settled."""
+        settled = self.bytes_used_warm + self.bytes_wasted_warm
+        return self.bytes_used_warm / settled if settled else None
 
 
 def _counters(stats: type) -> tuple[str, ...]:

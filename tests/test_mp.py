@@ -73,6 +73,7 @@ from lmcache_tiered.keys import key_digest, key_from_string, key_text
 from lmcache_tiered.storage.files import try_lock
 from lmcache_tiered.storage.layout import TierNames
 from lmcache_tiered.storage.tierfiles import TierFileSet
+from lmcache_tiered.warmup import promoter as promoter_module
 
 #: Two object groups, as vLLM's MP connector lays out hybrid models.
 LAYOUT = MemoryLayoutDesc(
@@ -857,6 +858,48 @@ def test_lookahead_promotes_a_looked_up_chain_from_cold_to_warm(
     adapter.submit_unlock(first[:1])
     adapter.close()
     assert REGISTRY.get_sample_value(promoted, exported) is None
+
+
+def test_copies_to_warm_not_yet_read_hold_at_most_half_the_warm_tier(
+    adapter_factory: Callable[..., TieredL2Adapter],
+    cold_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan bigger than half the warm tier copies until the copies not yet
+    read hold half of it (one unit of work past), then waits; a load of the
+    copies (used, counted) makes room and the rest follows. Units of two
+    chunks here, so the bound shows on a tier of eight."""
+    monkeypatch.setattr(promoter_module, "UNIT_KEYS", 2)
+    adapter = adapter_factory(
+        **{
+            "warm.capacity_gb": slots(8),
+            "cold.paths": [str(cold_dir)],
+            "warmup.policy": "lookahead",
+            "warmup.lookahead.window_s": 60,
+            "warmup.lookahead.promote_found": True,
+        }
+    )
+    caller = Caller(adapter)
+    chain = [okey(i) for i in range(8)]
+    other = [okey(i) for i in range(10, 18)]
+    assert caller.store(chain, [memory_obj(seed=i) for i in range(8)])
+    assert caller.store(other, [memory_obj() for _ in other])
+    cache = adapter_cache(adapter)
+    assert [cache.tier_of(k) for k in chain] == ["cold"] * 8
+    stats = cache.promoter.stats
+    assert caller.lookup(chain[:1]) == [0]
+    # 1 + 2 + 2 chunks copied: 3 held were under the budget (about 4), 5 are not
+    wait_until(lambda: cache.promoter.copies.held_bytes == 5 * CHUNK)
+    time.sleep(0.5)
+    assert stats.bytes_promoted_warm == 5 * CHUNK
+    assert [cache.tier_of(k) for k in chain[5:]] == ["cold"] * 3
+    dst = [memory_obj() for _ in chain[:5]]
+    assert caller.load(chain[:5], dst) == [0, 1, 2, 3, 4]
+    assert stats.warm_used == 5 and stats.bytes_used_warm == 5 * CHUNK
+    wait_until(lambda: all(cache.tier_of(k) == "warm" for k in chain))
+    assert stats.bytes_promoted_warm == 8 * CHUNK and stats.warm_wasted == 0
+    assert adapter.report_status()["warmup"]["warm_used"] == 5
+    adapter.submit_unlock(chain[:1])
 
 
 def test_a_store_of_several_requests_chunks_is_their_chains_apart(

@@ -17,6 +17,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 
 from lmcache_tiered.config import ConfigError
+from lmcache_tiered.metrics import WarmupStats
 from lmcache_tiered.warmup import (
     Plan,
     WarmupPolicy,
@@ -26,6 +27,7 @@ from lmcache_tiered.warmup import (
 )
 from lmcache_tiered.warmup.base import TierName
 from lmcache_tiered.warmup.chains import ChainIndex
+from lmcache_tiered.warmup.warm_copies import WarmCopies
 
 BUILT_INS = ["frequency", "hinted", "lookahead", "none", "session"]
 
@@ -394,3 +396,29 @@ def test_chain_runs_cut_where_a_learned_parent_is_another_key() -> None:
     assert index.runs(first[1:] + second[1:]) == [range(0, 2), range(2, 3)]
     assert index.runs(make_keys(4, start=20)) == [range(0, 4)]
     assert index.continuation(first[0], 8) == first[1:]
+
+
+def test_warm_copies_count_reads_from_warm_and_settle_the_rest_as_wasted(
+    view: FakeView,
+) -> None:
+    """A copy read while in warm is used; one evicted unread, or unread by
+    its deadline, is wasted when settled; each frees its share of the
+    budget. A read of a copy already evicted is not counted as used."""
+    stats = WarmupStats()
+    copies = WarmCopies(3 * 100, stats, view)
+    read, evicted, late, gone = make_keys(4)
+    view.put([read, evicted, late, gone], "warm")
+    for key in (read, evicted, late):
+        copies.add(key, 100, deadline=view.clock + 10)
+    assert copies.full() and copies.held_bytes == 300
+    view.put([evicted], "cold")
+    assert copies.read([read, evicted])  # the evicted one stays for settle
+    assert (stats.warm_used, stats.bytes_used_warm) == (1, 100)
+    assert not copies.full()
+    copies.add(gone, 100, deadline=view.clock + 10)
+    del view.tiers[gone]
+    view.clock += 11  # past late's deadline
+    copies.settle()
+    assert (stats.warm_wasted, stats.bytes_wasted_warm) == (3, 300)
+    assert copies.held_bytes == 0 and stats.precision_warm == 0.25
+    assert not copies.read([late])  # settled: no longer a copy

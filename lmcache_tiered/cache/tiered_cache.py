@@ -71,6 +71,7 @@ from lmcache_tiered.warmup import CacheView, load_policy
 from lmcache_tiered.warmup.base import Plan, TierName, WarmupPolicy
 from lmcache_tiered.warmup.chains import ChainIndex
 from lmcache_tiered.warmup.promoter import Promoter
+from lmcache_tiered.warmup.warm_copies import WARM_SHARE
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -215,6 +216,9 @@ class TieredCache:
             hot_budget_bytes=int(
                 settings.warmup_hot_fraction
                 * (0 if hot is None else cpu_pool_bytes(hot))
+            ),
+            warm_budget_bytes=int(
+                WARM_SHARE * settings.warm.capacity_bytes // local_workers
             ),
             tick_s=settings.warmup_tick_s,
             min_precision=settings.warmup_min_precision,
@@ -537,6 +541,7 @@ class TieredCache:
         warmup = asdict(self.promoter.stats)
         warmup["policy"] = self.settings.warmup_policy
         warmup["precision"] = self.promoter.stats.precision
+        warmup["precision_warm"] = self.promoter.stats.precision_warm
         return {
             "tiers": {
                 name: asdict(t.stats)

@@ -23,6 +23,10 @@ copies to warm included (the probes keep measuring, so a policy that starts
 to pay is let go again). A policy that only copies to warm, and any policy
 without a hot tier, is never held back.
 
+Copies from cold to warm not yet read hold at most half the warm tier
+(:mod:`lmcache_tiered.warmup.warm_copies`): more waits in the queue, as a
+plan for hot waits for room in the pin budget.
+
 Without a hot tier (LMCache's multi-process server, where the L2 adapter
 has no CPU tier below LMCache's L1) a plan for hot is a plan for warm.
 """
@@ -30,7 +34,6 @@ has no CPU tier below LMCache's L1) a plan for hot is a plan for warm.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import logging
 import threading
@@ -56,6 +59,8 @@ from lmcache_tiered.warmup.base import (
     TierName,
     WarmupPolicy,
 )
+from lmcache_tiered.warmup.plan_queue import PlanQueue, Queued
+from lmcache_tiered.warmup.warm_copies import WarmCopies
 
 logger = logging.getLogger("lmcache_tiered")
 
@@ -105,19 +110,6 @@ class _Promotion:
             self.obj.unpin()
 
 
-@dataclass(slots=True)
-class _Queued:
-    deadline: float
-    seq: int
-    target: str
-    keys: tuple[StoreKey, ...]
-    #: digest of the request the plan is for (its last key), or None
-    request: bytes | None = None
-
-    def __lt__(self, other: _Queued) -> bool:
-        return (self.deadline, self.seq) < (other.deadline, other.seq)
-
-
 class Promoter:
     """Runs a policy's plans against the tiers; one thread, closed by close()."""
 
@@ -132,6 +124,7 @@ class Promoter:
         hot: LocalCPUBackend | None,
         bandwidth_bytes_s: float | None,
         hot_budget_bytes: int,
+        warm_budget_bytes: int,
         tick_s: float,
         min_precision: float,
     ) -> None:
@@ -146,6 +139,8 @@ class Promoter:
         self.tick_s = tick_s
         self.min_precision = min_precision
         self.stats = WarmupStats()
+        #: the copies to warm not yet read, within warm_budget_bytes
+        self.copies = WarmCopies(warm_budget_bytes, self.stats, view)
         #: called on the promoter's thread as a unit of work starts, with its
         #: target tier and keys (tracing; tests check its ordering)
         self.before_unit: Callable[[str, tuple[StoreKey, ...]], None] | None = None
@@ -154,18 +149,16 @@ class Promoter:
         self._outcomes: deque[bool] = deque(maxlen=GUARD_WINDOW)
         self._units = itertools.count()
         self._cond = threading.Condition()
-        #: queued plans per target tier, most urgent first
-        self._heaps: dict[str, list[_Queued]] = {"hot": [], "warm": []}
-        self._owner: dict[tuple[bytes, str], int] = {}
+        self._queue = PlanQueue()
         self._inflight: set[bytes] = set()
         self._demand = 0
-        self._seq = itertools.count()
         self._next_io = 0.0
         #: unused promotions to hot, by key digest
         self._promoted: dict[bytes, _Promotion] = {}
-        #: the hot budget is full of promotions needed sooner: hot plans wait
-        #: until one is used or expires (checked again every tick)
-        self._hot_full = False
+        #: per target tier: its budget is full of promotions needed sooner,
+        #: so its plans wait until one is used or expires (checked again
+        #: every tick)
+        self._full = {"hot": False, "warm": False}
         #: requests with plans queued or promotions held -> their latest deadline
         self._requests: dict[bytes, float] = {}
         #: chunks vLLM's GPU prefix cache served, by digest -> until when
@@ -189,10 +182,8 @@ class Promoter:
                 self.stats.plans += 1
                 target = plan.target if self.hot is not None else "warm"
                 request = None if plan.request is None else key_digest(plan.request)
-                queued = _Queued(
-                    plan.deadline, next(self._seq), target, plan.keys, request
-                )
-                self.stats.keys_planned += self._push_locked(queued)
+                queued = self._queue.make(plan.deadline, target, plan.keys, request)
+                self.stats.keys_planned += self._queue.push(queued)
                 if request is not None:
                     self._note_request(request, plan.deadline)
             self._cond.notify_all()
@@ -215,46 +206,24 @@ class Promoter:
         with self._cond:
             if self._requests.pop(request, None) is None:
                 return
-            for heap in self._heaps.values():
-                for queued in heap:
-                    if queued.request != request:
-                        continue
-                    for key in queued.keys:
-                        slot = (key_digest(key), queued.target)
-                        if self._owner.get(slot) == queued.seq:
-                            del self._owner[slot]
-                            self.stats.cancelled += 1
+            self.stats.cancelled += self._queue.cancel(request)
             soon = self.view.now() + FOUND_GRACE_S
             for promotion in self._promoted.values():
                 if promotion.request == request:
                     promotion.deadline = min(promotion.deadline, soon)
-
-    def _push_locked(self, queued: _Queued) -> int:
-        """Queue those of ``queued``'s keys not queued for its tier already
-        (a key stays with the plan that has it); how many that was."""
-        fresh = []
-        for key in queued.keys:
-            slot = (key_digest(key), queued.target)
-            if slot not in self._owner:
-                self._owner[slot] = queued.seq
-                fresh.append(key)
-        if fresh:
-            heapq.heappush(
-                self._heaps[queued.target], replace(queued, keys=tuple(fresh))
-            )
-        return len(fresh)
 
     @contextlib.contextmanager
     def demand(self, keys: Sequence[StoreKey]) -> Iterator[None]:
         """Wrap a demand read: no warm-up unit starts until it is done, and its
         keys are dropped from the queue (counted late if they were planned)."""
         digests = [key_digest(k) for k in keys]
+        read_copies = self.copies.read(keys)  # room for more copies to warm
         with self._cond:
+            if read_copies:
+                self._full["warm"] = False
             self._demand += 1
             for digest in digests:
-                planned = [t for t in ("hot", "warm") if (digest, t) in self._owner]
-                for target in planned:
-                    del self._owner[(digest, target)]
+                planned = self._queue.take(digest)
                 if planned or digest in self._inflight:
                     self.stats.late += 1
                 if "hot" in planned:  # the promotion came too late: no use
@@ -320,8 +289,9 @@ class Promoter:
             if now >= self._recency_at:
                 self._recency_at = now + RECENCY_EVERY_S
                 move_to_recent(self.hot, [p.key for p in pinned])
-        with self._cond:
-            self._hot_full = False  # promotions may have expired or been evicted
+        self.copies.settle()
+        with self._cond:  # promotions may have expired or been evicted
+            self._full = {"hot": False, "warm": False}
         self.submit(self.policy.on_tick(self.view.now()))
 
     def _held_back(self) -> bool:
@@ -333,9 +303,7 @@ class Promoter:
         return next(self._units) % GUARD_PROBE_EVERY != 0
 
     def _runnable(self) -> bool:
-        return bool(self._heaps["warm"]) or (
-            bool(self._heaps["hot"]) and not self._hot_full
-        )
+        return any(self._queue.waiting(t) and not f for t, f in self._full.items())
 
     def _guard(self, work: Callable[..., None], *args: Any) -> None:
         """A failing policy or promotion is logged, never kills the thread."""
@@ -344,55 +312,29 @@ class Promoter:
         except Exception:
             logger.exception("lmcache_tiered: warm-up step failed")
 
-    def _next_unit(self) -> _Queued | None:
+    def _next_unit(self) -> Queued | None:
         """Up to UNIT_KEYS keys of the most urgent runnable plan, once no
         demand read runs."""
         with self._cond:
             while self._demand and not self._closed:
                 self._cond.wait(0.05)
-            now = self.view.now()
-            targets = ["warm"] if self._hot_full else ["hot", "warm"]
-            while True:
-                heads = [self._heaps[t][0] for t in targets if self._heaps[t]]
-                if not heads:
-                    return None
-                plan = min(heads)
-                heap = self._heaps[plan.target]
-                keys = [
-                    k
-                    for k in plan.keys
-                    if self._owner.get((key_digest(k), plan.target)) == plan.seq
-                ]
-                if not keys or plan.deadline < now:
-                    heapq.heappop(heap)
-                    self._drop(keys, plan.target)
-                    continue
-                unit, rest = keys[:UNIT_KEYS], keys[UNIT_KEYS:]
-                if rest:
-                    plan.keys = tuple(rest)
-                else:
-                    heapq.heappop(heap)
-                for key in unit:
-                    digest = key_digest(key)
-                    del self._owner[(digest, plan.target)]
-                    self._inflight.add(digest)
-                return replace(plan, keys=tuple(unit))
+            targets = [t for t, full in self._full.items() if not full]
+            unit, expired = self._queue.next_unit(targets, self.view.now(), UNIT_KEYS)
+            self.stats.cancelled += expired
+            if unit is not None:
+                self._inflight.update(key_digest(k) for k in unit.keys)
+            return unit
 
-    def _requeue(self, unit: _Queued) -> None:
-        """Put a unit that found no room in the hot budget back in the queue
-        (keys planned again meanwhile stay with that newer plan)."""
+    def _requeue(self, unit: Queued) -> None:
+        """Put a unit that found no room in its tier's budget back in the
+        queue (keys planned again meanwhile stay with that newer plan)."""
         with self._cond:
-            self._push_locked(unit)
-            self._hot_full = True
-
-    def _drop(self, keys: Sequence[StoreKey], target: str) -> None:
-        for key in keys:
-            self._owner.pop((key_digest(key), target), None)
-        self.stats.cancelled += len(keys)
+            self._queue.push(unit)
+            self._full[unit.target] = True
 
     # ------------------------------------------------------------------ work
 
-    def _execute(self, unit: _Queued) -> None:
+    def _execute(self, unit: Queued) -> None:
         target = unit.target
         wanted = TIER_RANK["hot" if target == "hot" else "warm"]
         by_tier: dict[TierName, list[StoreKey]] = {}
@@ -406,8 +348,11 @@ class Promoter:
                 by_tier.setdefault(where, []).append(key)
         for source, source_keys in by_tier.items():
             if target == "warm":
+                if self.copies.full():
+                    self._requeue(replace(unit, keys=tuple(source_keys)))
+                    continue
                 self._throttle()
-                self._to_warm(source_keys)
+                self._to_warm(source_keys, unit.deadline)
                 continue
             if source == "hot":
                 done = self._pin_in_place(source_keys, unit)
@@ -431,20 +376,24 @@ class Promoter:
             start = max(self._next_io, time.monotonic())
             self._next_io = start + nbytes / self.bandwidth
 
-    def _to_warm(self, keys: list[StoreKey]) -> None:
+    def _to_warm(self, keys: list[StoreKey], deadline: float) -> None:
         """Copy ``keys`` from cold (ours, or another host's shared files) to
-        warm."""
+        warm, held in the copies' budget until read or ``deadline``."""
         if "warm" not in self.tiers:
             return
         payloads = [p for p in self.read_cold(keys) if p is not None]
         if not payloads:
             return
         stored = self.store(payloads)  # demotes what it evicts: nothing is lost
-        moved = sum(len(p.view) for p, ok in zip(payloads, stored, strict=True) if ok)
+        moved = 0
+        for payload, ok in zip(payloads, stored, strict=True):
+            if ok:
+                self.copies.add(payload.key, len(payload.view), deadline)
+                moved += len(payload.view)
         self.stats.bytes_promoted_warm += moved
         self._spent(moved)
 
-    def _pin_in_place(self, keys: list[StoreKey], unit: _Queued) -> bool:
+    def _pin_in_place(self, keys: list[StoreKey], unit: Queued) -> bool:
         """Pin ``keys``, already in LMCache's CPU tier, as :meth:`_to_hot`
         pins what it reads; False (nothing done) when the budget has no room."""
         hot = self.hot
@@ -468,7 +417,7 @@ class Promoter:
             for _, obj in held:
                 obj.ref_count_down()  # get_blocking's reference
 
-    def _to_hot(self, source: StorageTier, keys: list[StoreKey], unit: _Queued) -> bool:
+    def _to_hot(self, source: StorageTier, keys: list[StoreKey], unit: Queued) -> bool:
         """Read ``keys`` into LMCache's CPU tier, pinned until used or the
         unit's deadline; False (nothing done) when the budget has no room."""
         hot = self.hot
@@ -499,7 +448,7 @@ class Promoter:
         self._spent(moved)
         return True
 
-    def _track(self, key: StoreKey, obj: MemoryObj, unit: _Queued, read: bool) -> None:
+    def _track(self, key: StoreKey, obj: MemoryObj, unit: Queued, read: bool) -> None:
         """Hold a pinned promotion until its first use: the first reference
         the hot tier hands out after the put (a retrieve taking it, not a
         lookup finding it: vLLM loads nothing its GPU prefix cache holds)."""
@@ -532,7 +481,7 @@ class Promoter:
                 self.stats.bytes_used_in_place += promotion.size
             self._outcomes.append(True)
             promotion.release()  # the retrieve holds its own reference now
-            self._hot_full = False
+            self._full["hot"] = False
             self._cond.notify_all()
 
     def _settle(self) -> list[_Promotion]:
@@ -596,5 +545,5 @@ class Promoter:
                 displaced.setdefault(plan, []).append(promotion.key)
         # displaced promotions are still wanted: they wait for room again
         for (when, request), keys in displaced.items():
-            self._requeue(_Queued(when, next(self._seq), "hot", tuple(keys), request))
+            self._requeue(self._queue.make(when, "hot", keys, request))
         return used + need <= self.hot_budget
