@@ -199,7 +199,6 @@ def test_session_leaves_the_hot_stage_to_arrival_hints_when_they_come(
     assert {p.request for p in plans} == {chain[-1]}
 
 
-
 def test_session_learns_turns_that_store_nothing(view: FakeView) -> None:
     """After a restart every turn is found whole and stores nothing: the
     turn is its lookup, and its gap runs from there. vLLM asking again for

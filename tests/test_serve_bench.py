@@ -484,3 +484,27 @@ def test_calibration_measures_every_length_once_a_round(stub: StreamingStub) -> 
     # the stub answers every prompt after the same delay
     assert all(0.2 <= row["ttft_s"] < 0.5 for row in rates["rows"])
     assert all(0 <= row["ttft_spread"] < 1 for row in rates["rows"])
+
+
+def test_the_report_says_what_our_adapter_read_and_copied() -> None:
+    """From ``lmcache server``'s /status: chunks read per tier, and what the
+    warm-up planned, copied and had read; nothing for a server without our
+    adapter or without a status."""
+    warmup = {
+        "policy": "session", "plans": 12, "keys_planned": 300,
+        "bytes_promoted_warm": 2_500_000_000, "warm_used": 40, "warm_wasted": 10,
+    }  # fmt: skip
+    adapter = {
+        "type": "TieredL2Adapter",
+        "tiers": {"warm": {"hits": 7}, "cold": {"hits": 3}},
+        "warmup": warmup,
+    }
+    status = {"storage_manager": {"l2_adapters": [adapter]}}
+    assert serve_report.adapter_lines("tiered_session", status) == [
+        "tiered_session: L2 chunks read: warm 7, cold 3",
+        "tiered_session: session made 12 plans of 300 chunks; copied 2.50 GB "
+        "cold -> warm, of which 40 of 50 settled copies were read from warm",
+    ]
+    fs = {"storage_manager": {"l2_adapters": [{"type": "FSL2Adapter"}]}}
+    assert serve_report.adapter_lines("lmcache_stock", fs) == []
+    assert serve_report.adapter_lines("x", None) == []

@@ -189,6 +189,27 @@ def describe(
     )
 
 
+def adapter_lines(name: str, status: Any) -> list[str]:
+    """What our L2 adapter in ``lmcache server``'s ``/status`` read from each
+    tier and what its warm-up did (nothing without an adapter of ours)."""
+    adapters = ((status or {}).get("storage_manager") or {}).get("l2_adapters")
+    ours = [a for a in adapters or [] if a.get("type") == "TieredL2Adapter"]
+    if not ours:
+        return []
+    tiers, warmup = ours[0]["tiers"], ours[0]["warmup"]
+    reads = ", ".join(f"{t} {stats['hits']}" for t, stats in tiers.items())
+    lines = [f"{name}: L2 chunks read: {reads}"]
+    if warmup["plans"]:
+        settled = warmup["warm_used"] + warmup["warm_wasted"]
+        lines.append(
+            f"{name}: {warmup['policy']} made {warmup['plans']} plans of "
+            f"{warmup['keys_planned']} chunks; copied "
+            f"{warmup['bytes_promoted_warm'] / 1e9:.2f} GB cold -> warm, of which "
+            f"{warmup['warm_used']} of {settled} settled copies were read from warm"
+        )
+    return lines
+
+
 def report(
     summaries: Mapping[str, dict[str, Any]],
     setup: ServeSetup,
@@ -229,6 +250,8 @@ def report(
                 f"{name}: not valid: the client sent a request {s['lag_max_s']:.2f}s "
                 "late; run on an idle machine"
             )
+        for line in adapter_lines(name, s.get("lmcache_status")):
+            print(line)
         moved = s.get("lmcache_transfers")
         if moved and moved["retrieve_gbps"] and moved["store_gbps"]:
             print(
