@@ -798,17 +798,18 @@ def test_two_servers_sharing_a_cold_tier(
 
 
 def store_two_chains(
-    adapter: TieredL2Adapter,
+    adapter: TieredL2Adapter, length: int = 4
 ) -> tuple[list[ObjectKey], list[ObjectKey]]:
-    """Chain A, then chain B, through a warm tier of four slots: A is demoted
-    to cold, B is in warm."""
+    """Chain A, then chain B, of ``length`` chunks each, through a warm tier
+    of as many slots: A is demoted to cold, B is in warm."""
     caller = Caller(adapter)
-    first = [okey(i) for i in range(4)]
-    second = [okey(i) for i in range(10, 14)]
-    assert caller.store(first, [memory_obj(seed=i) for i in range(4)])
+    first = [okey(i) for i in range(length)]
+    second = [okey(i) for i in range(10, 10 + length)]
+    assert caller.store(first, [memory_obj(seed=i) for i in range(length)])
     assert caller.store(second, [memory_obj() for _ in second])
     cache = adapter_cache(adapter)
-    assert [cache.tier_of(k) for k in first + second] == ["cold"] * 4 + ["warm"] * 4
+    tiers = [cache.tier_of(k) for k in first + second]
+    assert tiers == ["cold"] * length + ["warm"] * length
     return first, second
 
 
@@ -880,12 +881,8 @@ def test_copies_to_warm_not_yet_read_hold_at_most_half_the_warm_tier(
         }
     )
     caller = Caller(adapter)
-    chain = [okey(i) for i in range(8)]
-    other = [okey(i) for i in range(10, 18)]
-    assert caller.store(chain, [memory_obj(seed=i) for i in range(8)])
-    assert caller.store(other, [memory_obj() for _ in other])
+    chain, _ = store_two_chains(adapter, 8)
     cache = adapter_cache(adapter)
-    assert [cache.tier_of(k) for k in chain] == ["cold"] * 8
     stats = cache.promoter.stats
     assert caller.lookup(chain[:1]) == [0]
     # 1 + 2 + 2 chunks copied: 3 held were under the budget (about 4), 5 are not
