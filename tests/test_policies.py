@@ -199,25 +199,6 @@ def test_session_leaves_the_hot_stage_to_arrival_hints_when_they_come(
     assert {p.request for p in plans} == {chain[-1]}
 
 
-def test_session_learns_turns_that_store_nothing(view: FakeView) -> None:
-    """After a restart every turn is found whole and stores nothing: the
-    turn is its lookup, and its gap runs from there. vLLM asking again for
-    a request it could not schedule is not a turn."""
-    policy = load_policy("session", view, {"lead_s": 1.0, "warm_lead_s": 5.0})
-    t0 = view.clock
-    turn1, turn2 = make_keys(3), make_keys(5)
-    view.put(turn2, "warm")
-    policy.on_lookup(turn1, 3)
-    view.clock = t0 + 0.5
-    policy.on_lookup(turn1, 3)  # the same request again
-    view.clock = t0 + 10
-    policy.on_lookup(turn2, 5)  # the next turn: a gap of 10 s
-    seen = view.clock
-    view.put(turn2, "cold")
-    assert policy.on_tick(seen + 4.9) == []
-    assert planned(policy.on_tick(seen + 5.0)) == {"warm": turn2}
-
-
 def test_session_tracks_bounded_number_of_sessions(view: FakeView) -> None:
     policy = load_policy("session", view, {"max_sessions": "3"})
     for i in range(10):

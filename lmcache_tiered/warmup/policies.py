@@ -151,15 +151,12 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
 
 @dataclass(slots=True)
 class _Session:
-    """A conversation as of its last turn (its store, or a lookup that
-    found it all): the whole chain and when."""
+    """A conversation as of its last store: the whole chain and when."""
 
     chain: tuple[StoreKey, ...]
     stored_at: float
     #: this conversation's latest gaps between a store and its next turn
     gaps: tuple[float, ...]
-    #: the keys of the turn's lookup, if seen
-    lookup: tuple[StoreKey, ...] | None
 
 
 @dataclass(slots=True)
@@ -176,15 +173,11 @@ class SessionPolicy(_Planner):
     up the whole chain its last turn stored, after a gap that is learned.
 
     A chain is the lookup's keys up to the first newly stored key plus the
-    stored keys; a turn that stores nothing (all of it found: after a
-    restart, or a turn served from LMCache's memory) is its found prefix, as
-    of its lookup. Gaps (a store, or such a lookup, to the lookup that
-    extends its chain) are kept per conversation (its last 8) and over all
-    (the last 256): agents' tool calls come back in seconds and regularly,
-    people after tens of seconds or minutes, so no single average fits both.
-    A lookup of the same keys again (vLLM asks again for a request it could
-    not schedule) is not a turn. After a turn, from the conversation's own
-    gaps (two or more) or else everyone's, the chain goes
+    stored keys. Gaps (a store to the lookup that extends its chain) are kept
+    per conversation (its last 8) and over all (the last 256): agents' tool
+    calls come back in seconds and regularly, people after tens of seconds
+    or minutes, so no single average fits both. After a store, from the
+    conversation's own gaps (two or more) or else everyone's, the chain goes
     back to warm (cold -> warm: it may have been demoted) ``warm_lead_s``
     before the early end of the gaps (their ``early_quantile``), and to hot
     ``lead_s`` before it, held until ``lead_s`` past their late end
@@ -262,13 +255,10 @@ class SessionPolicy(_Planner):
 
     def on_lookup(self, keys: Sequence[StoreKey], hits: int) -> list[Plan]:
         now = self.view.now()
-        lookup = tuple(keys)
         with self._lock:
             gaps: tuple[float, ...] = ()
-            # The latest key that ends a chain: this request is its next turn.
+            # The latest key that ends a stored chain: this request is its next turn.
             tail = next((k for k in reversed(keys) if k in self._sessions), None)
-            if tail is not None and self._sessions[tail].lookup == lookup:
-                return []  # the same request asked again
             if tail is not None:
                 session = self._sessions.pop(tail)
                 sample = now - session.stored_at
@@ -276,14 +266,12 @@ class SessionPolicy(_Planner):
                 if sample <= self.max_gap_s:
                     self._gaps.append(sample)
                     gaps = (*gaps, sample)[-GAPS_KEPT:]
-            sighting = _Sighting(lookup, gaps)
-            for position, key in enumerate(lookup):
+            sighting = _Sighting(tuple(keys), gaps)
+            for position, key in enumerate(sighting.keys):
                 self._seen[key] = (sighting, position)
                 self._seen.move_to_end(key)
             while len(self._seen) > self.SEEN_KEYS:
                 self._seen.popitem(last=False)
-            if hits and hits == len(lookup):  # a turn with nothing to store
-                self._track(_Session(lookup, now, gaps, lookup), now)
         return []
 
     def on_store(self, keys: Sequence[StoreKey]) -> list[Plan]:
@@ -293,39 +281,31 @@ class SessionPolicy(_Planner):
         with self._lock:
             seen = self._seen.get(keys[0])
             if seen is None:
-                session = _Session(tuple(keys), now, (), None)
+                session = _Session(tuple(keys), now, ())
             else:
                 sighting, position = seen
                 session = _Session(
-                    sighting.keys[:position] + tuple(keys),
-                    now,
-                    sighting.gaps,
-                    sighting.keys,
+                    sighting.keys[:position] + tuple(keys), now, sighting.gaps
                 )
                 if position:
-                    # An earlier store of this request (chunked prefill)
-                    # ended where this one starts: this chain supersedes it.
+                    # An earlier store of this request (chunked prefill) ended
+                    # where this one starts: this chain supersedes it.
                     self._sessions.pop(sighting.keys[position - 1], None)
-            self._track(session, now)
+            tail = session.chain[-1]
+            self._sessions.pop(tail, None)
+            self._sessions[tail] = session
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            gaps = sorted(session.gaps if len(session.gaps) > 1 else self._gaps)
+            if gaps:
+                early = now + _quantile(gaps, self.early_quantile)
+                deadline = now + _quantile(gaps, self.late_quantile) + self.lead_s
+                due, seq = self._due, self._seq
+                when = early - self.warm_lead_s
+                heapq.heappush(due, (when, next(seq), session, "warm", deadline))
+                when = early - self.lead_s
+                heapq.heappush(due, (when, next(seq), session, "hot", deadline))
         return []
-
-    def _track(self, session: _Session, now: float) -> None:
-        """Hold ``session`` (under the lock) and, once gaps are known, queue
-        its warm and hot stages."""
-        tail = session.chain[-1]
-        self._sessions.pop(tail, None)
-        self._sessions[tail] = session
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
-        gaps = sorted(session.gaps if len(session.gaps) > 1 else self._gaps)
-        if gaps:
-            early = now + _quantile(gaps, self.early_quantile)
-            deadline = now + _quantile(gaps, self.late_quantile) + self.lead_s
-            due, seq = self._due, self._seq
-            when = early - self.warm_lead_s
-            heapq.heappush(due, (when, next(seq), session, "warm", deadline))
-            when = early - self.lead_s
-            heapq.heappush(due, (when, next(seq), session, "hot", deadline))
 
     def on_tick(self, now: float) -> list[Plan]:
         stages = []
