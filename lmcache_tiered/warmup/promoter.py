@@ -59,7 +59,7 @@ from lmcache_tiered.warmup.base import (
     TierName,
     WarmupPolicy,
 )
-from lmcache_tiered.warmup.plan_queue import PlanQueue, Queued
+from lmcache_tiered.warmup.plan_queue import TARGETS, PlanQueue, Queued
 from lmcache_tiered.warmup.warm_copies import WarmCopies
 
 logger = logging.getLogger("lmcache_tiered")
@@ -158,7 +158,7 @@ class Promoter:
         #: per target tier: its budget is full of promotions needed sooner,
         #: so its plans wait until one is used or expires (checked again
         #: every tick)
-        self._full = {"hot": False, "warm": False}
+        self._full = dict.fromkeys(TARGETS, False)
         #: requests with plans queued or promotions held -> their latest deadline
         self._requests: dict[bytes, float] = {}
         #: chunks vLLM's GPU prefix cache served, by digest -> until when
@@ -291,7 +291,7 @@ class Promoter:
                 move_to_recent(self.hot, [p.key for p in pinned])
         self.copies.settle()
         with self._cond:  # promotions may have expired or been evicted
-            self._full = {"hot": False, "warm": False}
+            self._full = dict.fromkeys(TARGETS, False)
         self.submit(self.policy.on_tick(self.view.now()))
 
     def _held_back(self) -> bool:
