@@ -153,8 +153,9 @@ def test_a_pool_of_its_own_is_refused_where_it_could_reach_out(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """No pool starts outside a namespace of its own; a benchmark that cannot
-    make one says why and what to do instead, and starts nothing."""
+    """No pool starts outside a namespace of its own; a benchmark or a soak
+    that cannot make one says why and what to do instead, and starts
+    nothing."""
     with pytest.raises(RuntimeError, match="listen on all addresses"):
         MooncakePool(tmp_path)
     monkeypatch.setattr(netns, "refused", lambda: "no network namespace (test)")
@@ -164,6 +165,8 @@ def test_a_pool_of_its_own_is_refused_where_it_could_reach_out(
     assert "no network namespace (test): run it as root, or start a pool" in err
     assert cli.main(["diskbench", "--mp", "--store", "mooncake"]) == 2
     assert "--store mooncake starts a Mooncake pool" in capsys.readouterr().err
+    assert cli.main(["soak", "--store", "mooncake", "--plot", "none"]) == 2
+    assert "soak: --store mooncake starts a Mooncake pool" in capsys.readouterr().err
     redis = json.dumps({"type": "resp", "host": "127.0.0.1", "port": 6379})
     argv = ["diskbench", "--mp", "--store", "mooncake", "--store", redis]
     assert cli.main(argv) == 2
