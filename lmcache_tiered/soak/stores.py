@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmcache_tiered.bench.common.stores import LEASE_MS, SPARE_BYTES
+from lmcache_tiered.bench.common.stores import pool_for
 from lmcache_tiered.soak.redis_server import RedisServer
-from lmcache_tiered.testing.mooncake import MooncakePool
 
 
 @dataclass(frozen=True)
@@ -93,8 +92,7 @@ class MooncakeStore(SoakStore):
     name = "Mooncake pool"
 
     def __init__(self, stored_bytes: int, log_dir: Path) -> None:
-        megabytes = -(-(stored_bytes + SPARE_BYTES) // (1 << 20))
-        self.pool = MooncakePool(log_dir, lease_ms=LEASE_MS, memory=f"{megabytes}MB")
+        self.pool = pool_for(stored_bytes, log_dir)
 
     @property
     def spec(self) -> dict[str, Any]:

@@ -74,13 +74,19 @@ def rerun_isolated(command_line: Sequence[str], option: str) -> int:
             return child.wait()
 
 
+def pool_for(stored_bytes: int, log_dir: Path) -> MooncakePool:
+    """A pool on loopback sized for ``stored_bytes`` and SPARE_BYTES more,
+    with Mooncake's default lease. Only in a namespace of its own."""
+    megabytes = -(-(stored_bytes + SPARE_BYTES) // (1 << 20))
+    return MooncakePool(log_dir, lease_ms=LEASE_MS, memory=f"{megabytes}MB")
+
+
 @contextmanager
 def mooncake_pool(stored_bytes: int) -> Iterator[dict[str, Any]]:
     """A pool on loopback for ``stored_bytes`` and more, for the duration:
     the connector's JSON (as a dict). Only in a namespace of its own."""
     log_dir = Path(tempfile.mkdtemp(prefix="lmcache-tiered-mooncake-"))
-    megabytes = -(-(stored_bytes + SPARE_BYTES) // (1 << 20))
-    pool = MooncakePool(log_dir, lease_ms=LEASE_MS, memory=f"{megabytes}MB")
+    pool = pool_for(stored_bytes, log_dir)
     try:
         yield pool.spec()
     finally:
