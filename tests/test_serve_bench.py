@@ -14,7 +14,7 @@ import sys
 import threading
 import types
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from lmcache_tiered.bench.serve import (
 from lmcache_tiered.bench.serve.setup import ServeSetup, variant_dirs
 from lmcache_tiered.bench.serve.tiny_model import TinyLlama
 from lmcache_tiered.cli import main
+from lmcache_tiered.integration.l2_config import TieredL2AdapterConfig
 from lmcache_tiered.testing.ports import free_port
 
 #: the stub's time to its first token and between tokens (seconds)
@@ -291,17 +292,22 @@ def test_requests_loaded_from_l2_in_any_variant_are_compared_in_every_one() -> N
 
 def test_variant_names_expand_policies_and_number_repeats() -> None:
     names = serve_bench.variant_names(
-        "no_external_cache,tiered,no_external_cache", "none,lookahead"
+        "no_external_cache,tiered,no_external_cache", "none,lookahead,none+admit,none"
     )
     assert names == [
         "no_external_cache",
         "tiered_none",
         "tiered_lookahead",
+        "tiered_none+admit",
+        "tiered_none#2",
         "no_external_cache#2",
     ]
-    assert serve_bench.kind("no_external_cache#2") == "no_external_cache"
+    assert serve_bench.restarts("tiered_none+admit")
+    assert not serve_bench.restarts("no_external_cache#2")
     with pytest.raises(serve_bench.UsageError, match="--policies: unknown policy"):
         serve_bench.variant_names("tiered", "psychic")
+    with pytest.raises(serve_bench.UsageError, match="'psychic\\+admit'"):
+        serve_bench.variant_names("tiered", "psychic+admit")
     with pytest.raises(serve_bench.UsageError, match="--variants: unknown variant"):
         serve_bench.variant_names("sglang", "none")
 
@@ -466,9 +472,37 @@ def test_a_cold_tier_goes_below_warm_and_holds_the_stock_adapter(
         assert params["warm.paths"] == [str(d) for d in drives.warm]
         assert params["cold.paths"] == [str(d) for d in drives.cold]
         assert (params["warm.capacity_gb"], params["cold.capacity_gb"]) == (0.25, 4.0)
+        assert "recompute_tokens_per_s" not in params
         stock = serve_bench._adapter("lmcache_stock", setup, drives)
         assert stock["base_path"] == str(drives.cold[0])
     assert not any(d.exists() for d in drives.all)
+
+
+def test_an_admit_variant_runs_its_policy_with_read_time_admission_at_the_rate(
+    tmp_path: Path,
+) -> None:
+    """``tiered_none+admit#2``: policy none, and the adapter's
+    ``recompute_tokens_per_s`` at the run's measured (or given) rate."""
+    setup = replace(cold_setup(tmp_path), recompute_tokens_per_s=2500.0)
+    with variant_dirs("tiered_none+admit#2", setup) as drives:
+        adapter = serve_bench._adapter("tiered_none+admit", setup, drives)
+        params = adapter["adapter_params"]
+        assert params["warmup.policy"] == "none"
+        assert params["recompute_tokens_per_s"] == 2500.0
+        # the server's adapter takes it as the setting of that name
+        config = TieredL2AdapterConfig.from_dict(params)
+        assert config.settings.recompute_tokens_per_s == 2500.0
+
+
+def test_the_recompute_rate_is_tokens_over_ttft_of_fresh_prompts(
+    stub: StreamingStub,
+) -> None:
+    """docs/warmup.md's measurement: fresh prompts of the length asked, one
+    at a time after the warm-up request; tokens over TTFT, the median."""
+    rate = calibrate.prefill_rate(stub.url, "m", 1024, repeats=3)
+    assert stub.seen == [http_replay.WARM_UP_TOKENS, 1024, 1024, 1024]
+    # the stub answers every prompt after the same delay (0.2-0.5 s)
+    assert 1024 / 0.5 < rate <= 1024 / 0.2
 
 
 def test_calibration_measures_every_length_once_a_round(stub: StreamingStub) -> None:
@@ -505,6 +539,15 @@ def test_the_report_says_what_our_adapter_read_and_copied() -> None:
         "tiered_session: session made 12 plans of 300 chunks; copied 2.50 GB "
         "cold -> warm, of which 40 of 50 settled copies were read from warm",
     ]
+    adapter["admission"] = {
+        "lookups_judged": 20, "prefixes_shortened": 5, "chunks_recomputed": 9,
+        "tokens_recomputed": 2304, "estimates_checked": 10, "estimates_within": 8,
+    }  # fmt: skip
+    assert serve_report.adapter_lines("tiered_session", status)[-1] == (
+        "tiered_session: read-time admission shortened 5 of 20 lookups with hits, "
+        "2,304 stored tokens recomputed; delivery estimate within 25 % of the read "
+        "for 80 % of 10 admitted reads"
+    )
     fs = {"storage_manager": {"l2_adapters": [{"type": "FSL2Adapter"}]}}
     assert serve_report.adapter_lines("lmcache_stock", fs) == []
     assert serve_report.adapter_lines("x", None) == []

@@ -55,7 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--policies",
         default="none",
-        help="warm-up policies of the tiered variant (default: none)",
+        help="warm-up policies of the tiered variant (default: none); NAME+admit "
+        "runs NAME with read-time admission on",
+    )
+    run.add_argument(
+        "--recompute-tokens-per-s",
+        type=float,
+        metavar="RATE",
+        help="the +admit variants' tiered.recompute_tokens_per_s (default: "
+        "measured first on vLLM alone, prompts of the workload's median length)",
     )
     run.add_argument(
         "--concurrency",

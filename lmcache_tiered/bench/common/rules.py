@@ -55,17 +55,21 @@ def admission(stats: Mapping[str, Any]) -> dict[str, float | None] | None:
 
 def admission_lines(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """One line per variant whose read-time admission judged lookups."""
-    lines = []
-    for name, summary in summaries.items():
-        if (rule := summary.get("admission")) is None:
-            continue
-        good = rule["estimates_good"]
-        lines.append(
-            f"{name}: read-time admission shortened {rule['prefixes_shortened']:.0f} "
-            f"of {rule['lookups_judged']:.0f} lookups with hits, "
-            f"{rule['tokens_recomputed']:,.0f} stored tokens recomputed; delivery "
-            f"estimate within 25 % of the read for "
-            + ("-" if good is None else f"{100 * good:.0f} %")
-            + f" of {rule['estimates_checked']:.0f} admitted reads"
-        )
-    return lines
+    return [
+        admission_line(name, rule)
+        for name, summary in summaries.items()
+        if (rule := summary.get("admission")) is not None
+    ]
+
+
+def admission_line(name: str, rule: Mapping[str, Any]) -> str:
+    """What read-time admission did in variant ``name`` (:func:`admission`)."""
+    good = rule["estimates_good"]
+    return (
+        f"{name}: read-time admission shortened {rule['prefixes_shortened']:.0f} "
+        f"of {rule['lookups_judged']:.0f} lookups with hits, "
+        f"{rule['tokens_recomputed']:,.0f} stored tokens recomputed; delivery "
+        f"estimate within 25 % of the read for "
+        + ("-" if good is None else f"{100 * good:.0f} %")
+        + f" of {rule['estimates_checked']:.0f} admitted reads"
+    )

@@ -177,6 +177,21 @@ def measure(
     }
 
 
+def prefill_rate(url: str, model: str, tokens: int, repeats: int = REPEATS) -> float:
+    """Tokens a second the server at ``url`` prefills a fresh prompt of
+    ``tokens`` at, as docs/warmup.md tells a user to measure
+    ``tiered.recompute_tokens_per_s``: the median of ``repeats`` requests, one
+    at a time, each ``tokens / TTFT``."""
+    blocks = TokenBlocks(seed=5)
+    fresh = _FreshRequests()
+    http_replay.warm_up(url, model)
+    rates = []
+    for _ in range(repeats):
+        (served,) = http_replay.replay(url, model, [fresh.make(tokens, 1)], blocks)
+        rates.append(tokens / (served.first_token - served.sent))
+    return float(np.median(rates))
+
+
 def _rates(
     fixed: float,
     per_token: float,

@@ -20,12 +20,13 @@ import argparse
 import importlib.util
 import os
 import shlex
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,13 @@ from lmcache_tiered.bench.common import trace
 from lmcache_tiered.bench.common.report import write_json
 from lmcache_tiered.bench.model.baseline import NO_EXTERNAL_CACHE
 from lmcache_tiered.bench.model.scenario import CHUNK_TOKENS, load_requests
+from lmcache_tiered.bench.model.variants import (
+    ADMIT_MARK,
+    admits,
+    base_of,
+    number_twins,
+    policy_of,
+)
 from lmcache_tiered.bench.serve import calibrate, http_replay, servers
 from lmcache_tiered.bench.serve.options import (
     DEFAULT_VARIANTS,
@@ -70,7 +78,8 @@ STORES_QUIET_POLLS = 3
 
 
 def variant_names(variants: str, policies: str) -> list[str]:
-    """The variants to run, ``tiered`` expanded to one per policy."""
+    """The variants to run, ``tiered`` expanded to one per policy (a policy
+    ``NAME+admit`` runs NAME with read-time admission on)."""
     from lmcache_tiered.warmup.registry import installed_policies
 
     known = set(installed_policies())
@@ -78,10 +87,11 @@ def variant_names(variants: str, policies: str) -> list[str]:
     for name in (v.strip() for v in variants.split(",") if v.strip()):
         if name == TIERED:
             for policy in (p.strip() for p in policies.split(",") if p.strip()):
-                if policy not in known:
+                if policy_of(policy) not in known:
                     raise UsageError(
                         f"--policies: unknown policy {policy!r}; known: "
                         + ", ".join(sorted(known))
+                        + f" (each may end in {ADMIT_MARK})"
                     )
                 names.append(f"{TIERED}_{policy}")
         elif name in DEFAULT_VARIANTS:
@@ -93,23 +103,7 @@ def variant_names(variants: str, policies: str) -> list[str]:
             )
     if not names:
         raise UsageError("--variants: nothing to run")
-    return _numbered(names)
-
-
-def _numbered(names: Sequence[str]) -> list[str]:
-    """A variant named again (an A/A pair) runs again as ``name#2``, ..."""
-    seen: dict[str, int] = {}
-    out = []
-    for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
-    return out
-
-
-def kind(name: str) -> str:
-    """The variant a (possibly numbered) name runs: ``tiered_none#2`` ->
-    ``tiered_none``."""
-    return name.split("#", 1)[0]
+    return number_twins(names)
 
 
 def _adapter(name: str, setup: ServeSetup, drives: Drives) -> dict[str, Any]:
@@ -123,8 +117,11 @@ def _adapter(name: str, setup: ServeSetup, drives: Drives) -> dict[str, Any]:
     params: dict[str, Any] = {
         "warm.paths": [str(d) for d in drives.warm],
         "warm.capacity_gb": setup.warm_gb,
-        "warmup.policy": name.removeprefix(f"{TIERED}_"),
+        "warmup.policy": policy_of(name.removeprefix(f"{TIERED}_")),
     }
+    if admits(name):
+        assert setup.recompute_tokens_per_s is not None  # run_command measured it
+        params["recompute_tokens_per_s"] = setup.recompute_tokens_per_s
     if drives.cold:
         params["cold.paths"] = [str(d) for d in drives.cold]
         params["cold.capacity_gb"] = setup.cold_gb
@@ -159,7 +156,7 @@ def serving(
     ``hinted`` policy's vLLM sends each arrival to its server's warm
     prefetch (``LMCACHE_TIERED_PREFETCH_URL``: the policy has no hints of
     its own in this road)."""
-    variant = kind(name)
+    variant = base_of(name)
     label = label or name
     with ExitStack() as stack:
         status_url = None
@@ -230,7 +227,7 @@ def restarts(name: str) -> bool:
     nothing over a restart; vLLM's own offloading starts empty too (whether
     its file tier serves a restarted vLLM is not checked: a CPU cannot run
     it)."""
-    return kind(name) not in (NO_EXTERNAL_CACHE, VLLM_OFFLOAD)
+    return base_of(name) not in (NO_EXTERNAL_CACHE, VLLM_OFFLOAD)
 
 
 def run_variant(
@@ -389,6 +386,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         check_environment()
         names = variant_names(args.variants, args.policies)
+        if args.recompute_tokens_per_s is not None and args.recompute_tokens_per_s <= 0:
+            raise UsageError("--recompute-tokens-per-s: must be above 0")
         if args.concurrency < 1:
             raise UsageError("--concurrency: at least 1")
         if args.token_budget < 1:
@@ -435,6 +434,14 @@ def run_command(args: argparse.Namespace) -> int:
         print(describe(setup, requests, args))
         if args.calibrate:
             return _calibrate(setup, args)
+        if any(admits(name) for name in names):
+            rate = args.recompute_tokens_per_s
+            how = "--recompute-tokens-per-s"
+            if rate is None:
+                rate = _measured_recompute_rate(setup, requests)
+                how = "measured on vLLM alone at the workload's median prompt"
+            print(f"read-time admission recomputes at {rate:,.0f} tokens/s ({how})")
+            setup = replace(setup, recompute_tokens_per_s=rate)
         summaries: dict[str, dict[str, Any]] = {}
         with Progress(transient=False) as progress:
             for name in names:
@@ -528,6 +535,20 @@ def model_command(setup: ServeSetup, args: argparse.Namespace) -> str:
         + ["--policies", args.policies]
         + (["--restart"] if args.restart else [])
     )
+
+
+def _measured_recompute_rate(
+    setup: ServeSetup, requests: Sequence[trace.Request]
+) -> float:
+    """The ``+admit`` variants' recompute rate, measured as docs/warmup.md
+    tells a user to: vLLM alone, idle, prefilling fresh prompts of the
+    workload's median length."""
+    tokens = int(statistics.median(r.input_length for r in requests))
+    with (
+        variant_dirs(NO_EXTERNAL_CACHE, setup) as drives,
+        serving(NO_EXTERNAL_CACHE, setup, drives, label="recompute-rate") as (url, _),
+    ):
+        return calibrate.prefill_rate(url, str(setup.model_dir), tokens)
 
 
 def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:

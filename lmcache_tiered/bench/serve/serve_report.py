@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from lmcache_tiered.bench.common import plot, trace
+from lmcache_tiered.bench.common import plot, rules, trace
 from lmcache_tiered.bench.common.report import (
     delta,
     numbers_table,
@@ -207,6 +207,8 @@ def adapter_lines(name: str, status: Any) -> list[str]:
             f"{warmup['bytes_promoted_warm'] / 1e9:.2f} GB cold -> warm, of which "
             f"{warmup['warm_used']} of {settled} settled copies were read from warm"
         )
+    if (rule := rules.admission(ours[0].get("admission") or {})) is not None:
+        lines.append(rules.admission_line(name, rule))
     return lines
 
 

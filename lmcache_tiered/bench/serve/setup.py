@@ -37,6 +37,9 @@ class ServeSetup:
     #: cold tier drives (``--cold``; none: warm only) and their capacity
     cold: tuple[Path, ...] = ()
     cold_gb: float = 0.0
+    #: what the ``+admit`` variants' read-time admission recomputes at
+    #: (``tiered.recompute_tokens_per_s``; None: no such variant)
+    recompute_tokens_per_s: float | None = None
 
     @property
     def kv_cache_tokens(self) -> int:
