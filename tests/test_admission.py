@@ -68,18 +68,72 @@ def test_reads_queued_on_a_tier_delay_its_delivery() -> None:
     assert rule.admit(keys, [("warm", MB)]) == 1
 
 
+def test_what_earlier_lookups_admitted_is_queued_until_its_read_begins() -> None:
+    """LMCache's server looks up every waiting request before it loads
+    any: each lookup sees the prefixes admitted before it as queued, until
+    a read takes one of their chunks. At ~10.5 ms a chunk against 25.6 ms
+    of recompute, two lone chunks fit one after the other, a third does
+    not; once the first one's read begins, it does."""
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "warm", 100)
+    assert rule.admit([key(0)], [("warm", MB)]) == 1
+    assert rule.admit([key(1)], [("warm", MB)]) == 1
+    assert rule.admit([key(2)], [("warm", MB)]) == 0
+    estimates = rule.read_begins([key(0)])
+    assert len(estimates) == 1 and 0.005 < estimates[0] < 0.02
+    assert rule.admit([key(2)], [("warm", MB)]) == 1
+    # a promise is taken by a read of any of its chunks (in-process, vLLM's
+    # GPU cache holds the head and the retrieve reads the rest)
+    rule.read_begins([key(1)])
+    rule.read_begins([key(2)])
+    assert rule.admit([key(3), key(4)], [("warm", MB)] * 2) == 2
+    assert len(rule.read_begins([key(4)])) == 1
+    assert rule.read_begins([key(3)]) == []  # taken already
+
+
+def test_a_promise_no_read_takes_lapses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix admitted and never read (the request went away) stops
+    counting as queued after PROMISE_TTL_S."""
+    monkeypatch.setattr(admission, "PROMISE_TTL_S", 0.2)
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "warm", 100)
+    assert rule.admit([key(0), key(1)], [("warm", MB)] * 2) == 2
+    assert rule.admit([key(2)], [("warm", MB)]) == 0
+    time.sleep(0.25)
+    assert rule.admit([key(2)], [("warm", MB)]) == 1
+
+
+def test_each_estimate_is_held_against_the_read_that_took_it() -> None:
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "warm", 100)
+    assert rule.admit([key(0)], [("warm", MB)]) == 1
+    estimates = rule.read_begins([key(0)])
+    rule.read_done(estimates, estimates[0] * 1.1)  # within 25 %
+    assert rule.admit([key(1)], [("warm", MB)]) == 1
+    rule.read_done(rule.read_begins([key(1)]), 1.0)  # far off
+    rule.read_done(rule.read_begins([key(5)]), 1.0)  # nothing admitted
+    assert (rule.stats.estimates_checked, rule.stats.estimates_within) == (2, 1)
+
+
 def test_a_tier_judged_slow_is_tried_again_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With no read measuring it (the rule stopped sending it any), a slow
-    tier's rate stands only RATE_TTL_S: then a lookup is answered again, so
-    a link that cleared is measured anew."""
+    tier's rate is current only RATE_TTL_S: then one lookup is answered, so
+    a link that cleared is measured anew, while the lookups right after it
+    are still judged at the old rate (a burst is not all sent to a link
+    that did not clear); its estimate is still the old rate's."""
     monkeypatch.setattr(admission, "RATE_TTL_S", 0.2)
     rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
     judged(rule, "cold", 10)
     assert rule.admit([key(0)], [("cold", MB)]) == 0
     time.sleep(0.25)
     assert rule.admit([key(0)], [("cold", MB)]) == 1
+    assert rule.admit([key(1)], [("cold", MB)]) == 0
+    (estimate,) = rule.read_begins([key(0)])
+    assert estimate > 0.05  # ~105 ms at the old 10 MB/s, not "at once"
+    time.sleep(0.25)
+    assert rule.admit([key(1)], [("cold", MB)]) == 1
 
 
 class SlowDrive(EngineWrapper):

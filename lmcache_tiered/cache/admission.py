@@ -15,6 +15,15 @@ delivery is no later than its recompute. A chunk left out stays stored; vLLM
 recomputes it this time. With no rate set the rule is off, and a tier not yet
 measured is taken to deliver at once.
 
+What is queued on a tier includes what earlier lookups admitted and no read
+has begun yet (a *promise*, kept until a read takes one of its chunks, or
+PROMISE_TTL_S): LMCache's multi-process server looks up every waiting
+request before it loads any, and each of those lookups must see the reads
+the ones before it let in. A tier whose rate is older than RATE_TTL_S (the
+rule stopped sending it reads) is judged at that old rate, except for one
+lookup, let through to measure it again: a link that cleared is found, and a
+burst of lookups is not all sent to a link that did not.
+
 How well it guesses is measured too: each admitted prefix's estimate is
 compared with the time the demand read of those chunks then took
 (:class:`lmcache_tiered.metrics.AdmissionStats`: within :data:`GOOD_ESTIMATE`).
@@ -38,18 +47,22 @@ from lmcache_tiered.warmup.base import TierName
 RATE_WEIGHT = 0.2
 #: an estimate within this share of the measured read time counts as good
 GOOD_ESTIMATE = 0.25
-#: admitted prefixes remembered until their read (older ones are forgotten)
-ESTIMATES_KEPT = 4096
+#: admitted prefixes (promises) kept until their read, at most (the oldest
+#: are released first)
+PROMISES_KEPT = 4096
 logger = logging.getLogger("lmcache_tiered")
 
 #: seconds between the log lines that say what the rule did
 LOG_EVERY_S = 60.0
 #: LMCache's default chunk size, tokens (``chunk_size``)
 DEFAULT_CHUNK_TOKENS = 256
-#: seconds a tier's measured rate stands without a new read: a tier the rule
-#: stopped reading from (too slow then) is tried again after it, so a link
-#: that cleared is not judged by its congestion for ever
+#: seconds a tier's measured rate is current without a new read: past it, one
+#: lookup is let through to measure the tier again (a tier the rule stopped
+#: reading from, too slow then, is not judged by that congestion for ever)
 RATE_TTL_S = 10.0
+#: seconds an admitted prefix counts as queued on its tiers if no read takes
+#: any of its chunks (vLLM's GPU cache served them, or the request went away)
+PROMISE_TTL_S = 10.0
 
 
 @dataclass
@@ -57,20 +70,44 @@ class _Tier:
     """One tier's measured demand-read rate and the bytes queued on it."""
 
     bytes_per_s: float | None = None
+    #: bytes of the demand reads running on it
     queued_bytes: int = 0
+    #: bytes admitted by lookups and not yet read (see _Promise)
+    promised_bytes: int = 0
     measured_at: float = 0.0
+    #: when a lookup was last let through to measure a stale rate
+    probed_at: float = -RATE_TTL_S
 
-    def rate(self, now: float) -> float | None:
-        """The measured rate while it stands (None: deliver at once)."""
+    def current_rate(self, now: float) -> float | None:
+        """The measured rate if a read measured it within RATE_TTL_S."""
         if self.bytes_per_s is None or now - self.measured_at > RATE_TTL_S:
             return None
         return self.bytes_per_s
 
+    def probe(self, now: float) -> bool:
+        """Whether a lookup now is the one let through to measure a stale
+        rate again (it is judged as if the tier delivered at once)."""
+        if self.current_rate(now) is not None or now - self.probed_at <= RATE_TTL_S:
+            return False
+        self.probed_at = now
+        return True
+
+
+@dataclass
+class _Promise:
+    """An admitted prefix: its delivery estimate and its bytes per tier,
+    queued until a read takes one of its chunks or ``expires``."""
+
+    estimate_s: float
+    shares: dict[TierName, int]
+    digests: tuple[bytes, ...]
+    expires: float
+
 
 class ReadAdmission:
-    """The rule over a cache's tiers: :meth:`admit` at lookup time,
-    :meth:`reading` around each tier's share of a demand read, and
-    :meth:`read_done` once a demand read returns."""
+    """The rule over a cache's tiers: :meth:`admit` at lookup time;
+    :meth:`read_begins` and :meth:`read_done` around each demand read, and
+    :meth:`reading` around each tier's share of it."""
 
     def __init__(
         self,
@@ -84,7 +121,10 @@ class ReadAdmission:
         self.chunk_tokens = chunk_tokens
         self.stats = AdmissionStats()
         self._tiers: dict[TierName, _Tier] = {}
-        self._estimates: OrderedDict[bytes, float] = OrderedDict()
+        #: admitted prefixes not yet read, oldest first, by their first key,
+        #: and every key's digest -> the first key of its promise
+        self._promises: OrderedDict[bytes, _Promise] = OrderedDict()
+        self._promised: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
         self._logged_at = time.monotonic()
         self._logged = AdmissionStats()
@@ -94,16 +134,21 @@ class ReadAdmission:
         ``chunk_tokens``; the last chunk of a prompt fewer)."""
         return self.chunk_tokens * payload_bytes / self.full_chunk_bytes
 
-    def _tier_state(self) -> dict[TierName, tuple[int, float]]:
-        """Each measured tier's (queued bytes, rate) now; a tier missing here
-        delivers at once."""
-        now = time.monotonic()
-        with self._lock:
-            return {
-                name: (tier.queued_bytes, rate)
-                for name, tier in self._tiers.items()
-                if (rate := tier.rate(now))
-            }
+    def _tier_state(
+        self, names: set[TierName], now: float
+    ) -> dict[TierName, tuple[int, float, bool]]:
+        """(bytes queued, rate, probed) of each of the measured tiers among
+        ``names``; a tier missing here was never measured and delivers at
+        once, a probed one is estimated but holds nothing back (call under
+        the lock)."""
+        self._expire(now)
+        state = {}
+        for name in names:
+            tier = self._tiers.get(name)
+            if tier is not None and tier.bytes_per_s:
+                queued = tier.queued_bytes + tier.promised_bytes
+                state[name] = (queued, tier.bytes_per_s, tier.probe(now))
+        return state
 
     def admit(
         self, keys: Sequence[StoreKey], chunks: Sequence[tuple[TierName, int]]
@@ -116,16 +161,20 @@ class ReadAdmission:
             return len(chunks)
         # each prefix's delivery is the slowest tier's share behind its queue:
         # one pass, each tier's time growing with its share
-        state = self._tier_state()
-        seconds = {name: queued / speed for name, (queued, speed) in state.items()}
-        admitted, estimate, tokens, delivery = 0, 0.0, 0.0, 0.0
+        now = time.monotonic()
+        with self._lock:
+            state = self._tier_state({tier for tier, _ in chunks}, now)
+        seconds = {name: queued / speed for name, (queued, speed, _) in state.items()}
+        admitted, estimate, tokens, expected, delivery = 0, 0.0, 0.0, 0.0, 0.0
         for k, (tier, nbytes) in enumerate(chunks, start=1):
             tokens += self.tokens(nbytes)
             if tier in state:
                 seconds[tier] += nbytes / state[tier][1]
-                delivery = max(delivery, seconds[tier])
+                expected = max(expected, seconds[tier])
+                if not state[tier][2]:
+                    delivery = max(delivery, seconds[tier])
             if delivery <= tokens / rate:
-                admitted, estimate = k, delivery
+                admitted, estimate = k, expected
         with self._lock:
             stats = self.stats
             stats.lookups_judged += 1
@@ -136,11 +185,66 @@ class ReadAdmission:
                     sum(self.tokens(n) for _, n in chunks[admitted:])
                 )
             if admitted:
-                self._estimates[key_digest(keys[0])] = estimate
-                while len(self._estimates) > ESTIMATES_KEPT:
-                    self._estimates.popitem(last=False)
+                self._promise(keys[:admitted], chunks[:admitted], estimate, now)
         self._log_now_and_then()
         return admitted
+
+    def _promise(
+        self,
+        keys: Sequence[StoreKey],
+        chunks: Sequence[tuple[TierName, int]],
+        estimate: float,
+        now: float,
+    ) -> None:
+        """Count an admitted prefix as queued on its tiers until read (call
+        under the lock); a prefix admitted again replaces its promise."""
+        digests = tuple(key_digest(k) for k in keys)
+        self._release(digests[0])
+        shares: dict[TierName, int] = {}
+        for tier, nbytes in chunks:
+            shares[tier] = shares.get(tier, 0) + nbytes
+            self._tiers.setdefault(tier, _Tier()).promised_bytes += nbytes
+        self._promises[digests[0]] = _Promise(
+            estimate, shares, digests, now + PROMISE_TTL_S
+        )
+        for digest in digests:
+            self._promised[digest] = digests[0]
+        while len(self._promises) > PROMISES_KEPT:
+            self._release(next(iter(self._promises)))
+
+    def _release(self, first: bytes) -> _Promise | None:
+        """Take the promise that begins with ``first`` off its tiers' queues
+        (call under the lock)."""
+        promise = self._promises.pop(first, None)
+        if promise is None:
+            return None
+        for tier, nbytes in promise.shares.items():
+            self._tiers[tier].promised_bytes -= nbytes
+        for digest in promise.digests:
+            if self._promised.get(digest) == first:
+                del self._promised[digest]
+        return promise
+
+    def _expire(self, now: float) -> None:
+        """Release the promises no read took in time (call under the lock)."""
+        while self._promises:
+            first, promise = next(iter(self._promises.items()))
+            if promise.expires > now:
+                return
+            self._release(first)
+
+    def read_begins(self, keys: Sequence[StoreKey]) -> list[float]:
+        """A demand read of ``keys`` begins: the promises it takes leave the
+        queues (the read's own bytes are counted by :meth:`reading`); their
+        delivery estimates, for :meth:`read_done`."""
+        with self._lock:
+            firsts = {
+                first
+                for k in keys
+                if (first := self._promised.get(key_digest(k))) is not None
+            }
+            taken = [self._release(first) for first in firsts]
+        return [p.estimate_s for p in taken if p is not None]
 
     def _log_now_and_then(self) -> None:
         """One INFO line per LOG_EVERY_S at most, while the rule shortens
@@ -184,21 +288,19 @@ class ReadAdmission:
                 state.queued_bytes -= nbytes
                 if nbytes > 0 and took > 0:
                     rate = nbytes / took
-                    old = state.rate(began)
+                    old = state.current_rate(began)
                     state.bytes_per_s = (
                         rate if old is None else old + RATE_WEIGHT * (rate - old)
                     )
                     state.measured_at = began + took
 
-    def read_done(self, keys: Sequence[StoreKey], took_s: float) -> None:
-        """A demand read of ``keys`` took ``took_s``: held against the
-        estimate of the prefix it began with, if one was admitted."""
-        if not keys:
+    def read_done(self, estimates: Sequence[float], took_s: float) -> None:
+        """A demand read that began with :meth:`read_begins` returning
+        ``estimates`` took ``took_s``: each estimate is held against it."""
+        if not estimates:
             return
         with self._lock:
-            estimate = self._estimates.pop(key_digest(keys[0]), None)
-            if estimate is None:
-                return
-            self.stats.estimates_checked += 1
-            if abs(estimate - took_s) <= GOOD_ESTIMATE * max(took_s, 1e-9):
-                self.stats.estimates_within += 1
+            for estimate in estimates:
+                self.stats.estimates_checked += 1
+                if abs(estimate - took_s) <= GOOD_ESTIMATE * max(took_s, 1e-9):
+                    self.stats.estimates_within += 1

@@ -101,8 +101,9 @@ class DemandReader:
         if self._admission.recompute_tokens_per_s is None:
             return self._read(keys, into)
         began = time.monotonic()
+        estimates = self._admission.read_begins(keys)
         objs = self._read(keys, into)
-        self._admission.read_done(keys, time.monotonic() - began)
+        self._admission.read_done(estimates, time.monotonic() - began)
         return objs
 
     def _read(
