@@ -462,6 +462,41 @@ def test_baseline_disk_gives_the_stock_backend_its_own_directories(
     assert default.baseline_paths == default.warm_paths
 
 
+def test_the_default_cpu_tier_holds_at_least_what_hbm_holds(tmp_path: Path) -> None:
+    """A GPU host's DRAM per rank is at least its HBM: LMCache's CPU tier
+    defaults to a quarter of the distinct KV, raised to what vLLM's HBM
+    cache holds, never past the distinct KV itself."""
+    gib = 1 << 30
+    trace_path = write_trace(
+        tmp_path / "big.jsonl",
+        [
+            mooncake(i * 100, 64 * CHUNK, list(range(32 * i, 32 * i + 32)))
+            for i in range(8)
+        ],
+    )
+
+    def setup(*extra: str) -> scenario.Setup:
+        args = bench_args(tmp_path, trace_path, *extra)
+        return scenario.make_setup(args, scenario.load_requests(args))
+
+    small_hbm = setup("--gpu-kv-gb", "0")
+    unique = 8 * 64 * CHUNK * small_hbm.shape.bytes_per_token
+    assert small_hbm.hot_gb * gib == pytest.approx(
+        max(unique / 4, small_hbm.staging_gb * gib)
+    )
+    hbm_tokens = 3 * 64 * CHUNK  # three of the eight prompts
+    hbm_gb = hbm_tokens * small_hbm.profile.kv_bytes_per_token / 1e9
+    some = setup("--gpu-kv-gb", f"{hbm_gb:.9f}")
+    assert some.gpu_kv_tokens == pytest.approx(hbm_tokens, abs=1)
+    assert some.hot_gb * gib == pytest.approx(
+        max(hbm_tokens * some.shape.bytes_per_token, some.staging_gb * gib), rel=1e-3
+    )
+    assert setup("--gpu-kv-gb", "1e6").hot_gb * gib == pytest.approx(
+        max(unique, small_hbm.staging_gb * gib)
+    )
+    assert setup("--gpu-kv-gb", "1e6", "--hot-gb", "0.5").hot_gb == 0.5
+
+
 def test_stock_backend_reads_and_writes_through_its_modelled_drive(
     tmp_path: Path,
 ) -> None:

@@ -174,7 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="GIB",
         help="LMCache CPU tier size in GiB (LMCache's GB), 0 for none (default: "
-        "a quarter of the workload's distinct KV)",
+        "a quarter of the workload's distinct KV, and at least what vLLM's HBM "
+        "cache holds, up to all of it)",
     )
     tiers.add_argument(
         "--warm-gb",

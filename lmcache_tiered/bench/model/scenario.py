@@ -192,10 +192,11 @@ def load_requests(args: argparse.Namespace) -> list[trace.Request]:
 def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup:
     """Resolve defaults: sizes follow the workload's distinct KV bytes.
 
-    Hot holds a quarter of them (and at least four of the longest prompts:
-    it also stages every read and write), warm all of them (local NVMe is
-    large; a warm tier smaller than vLLM's HBM cache would hold only what
-    HBM holds), cold all of them twice.
+    Hot holds a quarter of them, and at least what vLLM's HBM cache holds (a
+    GPU host's DRAM per rank is at least its HBM; a CPU tier smaller would
+    hold only what HBM holds), up to all of them, and at least four of the
+    longest prompts (it also stages every read and write); warm holds all of
+    them (local NVMe is large), cold all of them twice.
     """
     profile = get_profile(args.profile)
     if args.kv_link is not None and not 0 < args.kv_link < math.inf:
@@ -205,6 +206,8 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
     unique = trace.unique_tokens(requests) * per_token
     longest = max(r.input_length for r in requests) * per_token
     staging = max(4 * longest, 64 << 20)
+    hbm_tokens = gpu_kv_tokens(profile, args.gpu_kv_gb)
+    hot = max(unique / 4, min(hbm_tokens * per_token, unique), staging)
     base = default_base()
     warm = split_list(args.warm) or [base] * DEFAULT_WARM_DRIVES
     cold = [] if args.cold == "none" else split_list(args.cold) or [base]
@@ -223,7 +226,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         kv_link_bytes_per_s=profile.pcie_bytes_per_s
         if args.kv_link is None
         else args.kv_link * 1e9,
-        hot_gb=(max(unique / 4, staging) / GIB) if args.hot_gb is None else args.hot_gb,
+        hot_gb=hot / GIB if args.hot_gb is None else args.hot_gb,
         staging_gb=staging / GIB,
         warm_gb=args.warm_gb or (unique + staging) / GIB,
         cold_gb=args.cold_gb or (2 * unique + staging) / GIB,
@@ -233,7 +236,7 @@ def make_setup(args: argparse.Namespace, requests: list[trace.Request]) -> Setup
         io_engine=args.io_engine,
         cold_link=args.cold_link if cold else None,
         warm_drive=args.warm_drive,
-        gpu_kv_tokens=gpu_kv_tokens(profile, args.gpu_kv_gb),
+        gpu_kv_tokens=hbm_tokens,
         # the bench's own store gets its JSON once started (command.main)
         cold_adapter=None if args.cold_adapter == OWN_MOONCAKE else args.cold_adapter,
         loading=args.loading,
