@@ -103,6 +103,20 @@ def test_a_promise_no_read_takes_lapses(monkeypatch: pytest.MonkeyPatch) -> None
     assert rule.admit([key(2)], [("warm", MB)]) == 1
 
 
+def test_a_promise_let_go_unread_stops_counting() -> None:
+    """vLLM's GPU cache served an admitted prefix, so no read takes it:
+    once the lookup lets go of its chunks, they are no longer queued."""
+    rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "warm", 100)
+    assert rule.admit([key(0), key(1)], [("warm", MB)] * 2) == 2
+    assert rule.admit([key(2)], [("warm", MB)]) == 0
+    rule.unpinned(key(9))  # not promised: nothing changes
+    assert rule.admit([key(2)], [("warm", MB)]) == 0
+    rule.unpinned(key(1))
+    assert rule.admit([key(2)], [("warm", MB)]) == 1
+    assert rule.read_begins([key(0)]) == []  # released with it, unchecked
+
+
 def test_each_estimate_is_held_against_the_read_that_took_it() -> None:
     rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
     judged(rule, "warm", 100)

@@ -16,8 +16,9 @@ recomputes it this time. With no rate set the rule is off, and a tier not yet
 measured is taken to deliver at once.
 
 What is queued on a tier includes what earlier lookups admitted and no read
-has begun yet (a *promise*, kept until a read takes one of its chunks, or
-PROMISE_TTL_S): LMCache's multi-process server looks up every waiting
+has begun yet (a *promise*, kept until a read takes one of its chunks, the
+lookup lets go of them, or PROMISE_TTL_S): LMCache's multi-process server
+looks up every waiting
 request before it loads any, and each of those lookups must see the reads
 the ones before it let in. A tier whose rate is older than RATE_TTL_S (the
 rule stopped sending it reads) is judged at that old rate, except for one
@@ -245,6 +246,16 @@ class ReadAdmission:
             }
             taken = [self._release(first) for first in firsts]
         return [p.estimate_s for p in taken if p is not None]
+
+    def unpinned(self, key: StoreKey) -> None:
+        """A lookup let go of ``key``: a promise holding it that no read took
+        (vLLM's GPU prefix cache served those chunks) is no longer queued."""
+        if self.recompute_tokens_per_s is None:
+            return
+        with self._lock:
+            first = self._promised.get(key_digest(key))
+            if first is not None:
+                self._release(first)
 
     def _log_now_and_then(self) -> None:
         """One INFO line per LOG_EVERY_S at most, while the rule shortens

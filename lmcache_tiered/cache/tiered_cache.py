@@ -408,6 +408,7 @@ class TieredCache:
         return tier is not None and self.tiers[tier].pin(key)
 
     def unpin(self, key: StoreKey) -> bool:
+        self.admission.unpinned(key)
         return any(t.unpin(key) for t in self.tiers.values())
 
     def remove(self, key: StoreKey) -> bool:
