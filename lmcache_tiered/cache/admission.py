@@ -16,8 +16,8 @@ recomputes it this time. With no rate set the rule is off, and a tier not yet
 measured is taken to deliver at once.
 
 What is queued on a tier includes what earlier lookups admitted and no read
-has begun yet (a *promise*, kept until a read takes one of its chunks, the
-lookup lets go of them, or PROMISE_TTL_S): LMCache's multi-process server
+has begun yet (a *promise*, kept until a read takes its last chunk, the
+lookup lets go of that chunk, or PROMISE_TTL_S): LMCache's multi-process server
 looks up every waiting
 request before it loads any, and each of those lookups must see the reads
 the ones before it let in. A tier whose rate is older than RATE_TTL_S (the
@@ -26,8 +26,9 @@ lookup, let through to measure it again: a link that cleared is found, and a
 burst of lookups is not all sent to a link that did not.
 
 How well it guesses is measured too: each admitted prefix's estimate is
-compared with the time the demand read of those chunks then took
-(:class:`lmcache_tiered.metrics.AdmissionStats`: within :data:`GOOD_ESTIMATE`).
+compared with the time from its lookup to the end of the demand read that
+took it (:class:`lmcache_tiered.metrics.AdmissionStats`: within
+:data:`GOOD_ESTIMATE`).
 """
 
 from __future__ import annotations
@@ -95,13 +96,14 @@ class _Tier:
 
 
 @dataclass
-class _Promise:
-    """An admitted prefix: its delivery estimate and its bytes per tier,
-    queued until a read takes one of its chunks or ``expires``."""
+class Promise:
+    """An admitted prefix: its delivery estimate from ``made_at`` and its
+    bytes per tier, queued until a read takes its last chunk, its lookup
+    lets go of it, or ``expires``."""
 
     estimate_s: float
+    made_at: float
     shares: dict[TierName, int]
-    digests: tuple[bytes, ...]
     expires: float
 
 
@@ -122,10 +124,9 @@ class ReadAdmission:
         self.chunk_tokens = chunk_tokens
         self.stats = AdmissionStats()
         self._tiers: dict[TierName, _Tier] = {}
-        #: admitted prefixes not yet read, oldest first, by their first key,
-        #: and every key's digest -> the first key of its promise
-        self._promises: OrderedDict[bytes, _Promise] = OrderedDict()
-        self._promised: dict[bytes, bytes] = {}
+        #: admitted prefixes not yet read, oldest first, by their last key's
+        #: digest (a prompt's own end: a shared system prompt is its head)
+        self._promises: OrderedDict[bytes, Promise] = OrderedDict()
         self._lock = threading.Lock()
         self._logged_at = time.monotonic()
         self._logged = AdmissionStats()
@@ -199,31 +200,23 @@ class ReadAdmission:
     ) -> None:
         """Count an admitted prefix as queued on its tiers until read (call
         under the lock); a prefix admitted again replaces its promise."""
-        digests = tuple(key_digest(k) for k in keys)
-        self._release(digests[0])
+        last = key_digest(keys[-1])
+        self._release(last)
         shares: dict[TierName, int] = {}
         for tier, nbytes in chunks:
             shares[tier] = shares.get(tier, 0) + nbytes
             self._tiers.setdefault(tier, _Tier()).promised_bytes += nbytes
-        self._promises[digests[0]] = _Promise(
-            estimate, shares, digests, now + PROMISE_TTL_S
-        )
-        for digest in digests:
-            self._promised[digest] = digests[0]
+        self._promises[last] = Promise(estimate, now, shares, now + PROMISE_TTL_S)
         while len(self._promises) > PROMISES_KEPT:
             self._release(next(iter(self._promises)))
 
-    def _release(self, first: bytes) -> _Promise | None:
-        """Take the promise that begins with ``first`` off its tiers' queues
+    def _release(self, last: bytes) -> Promise | None:
+        """Take the promise that ends with ``last`` off its tiers' queues
         (call under the lock)."""
-        promise = self._promises.pop(first, None)
-        if promise is None:
-            return None
-        for tier, nbytes in promise.shares.items():
-            self._tiers[tier].promised_bytes -= nbytes
-        for digest in promise.digests:
-            if self._promised.get(digest) == first:
-                del self._promised[digest]
+        promise = self._promises.pop(last, None)
+        if promise is not None:
+            for tier, nbytes in promise.shares.items():
+                self._tiers[tier].promised_bytes -= nbytes
         return promise
 
     def _expire(self, now: float) -> None:
@@ -234,28 +227,22 @@ class ReadAdmission:
                 return
             self._release(first)
 
-    def read_begins(self, keys: Sequence[StoreKey]) -> list[float]:
-        """A demand read of ``keys`` begins: the promises it takes leave the
-        queues (the read's own bytes are counted by :meth:`reading`); their
-        delivery estimates, for :meth:`read_done`."""
+    def read_begins(self, keys: Sequence[StoreKey]) -> list[Promise]:
+        """A demand read of ``keys`` begins: the promises whose last chunk it
+        reads leave the queues (the read's own bytes are counted by
+        :meth:`reading`); they are for :meth:`read_done`."""
         with self._lock:
-            firsts = {
-                first
-                for k in keys
-                if (first := self._promised.get(key_digest(k))) is not None
-            }
-            taken = [self._release(first) for first in firsts]
-        return [p.estimate_s for p in taken if p is not None]
+            taken = [self._release(key_digest(k)) for k in keys]
+        return [p for p in taken if p is not None]
 
     def unpinned(self, key: StoreKey) -> None:
-        """A lookup let go of ``key``: a promise holding it that no read took
-        (vLLM's GPU prefix cache served those chunks) is no longer queued."""
+        """A lookup let go of ``key``: a promise ending with it that no read
+        took (vLLM's GPU prefix cache served those chunks) is no longer
+        queued."""
         if self.recompute_tokens_per_s is None:
             return
         with self._lock:
-            first = self._promised.get(key_digest(key))
-            if first is not None:
-                self._release(first)
+            self._release(key_digest(key))
 
     def _log_now_and_then(self) -> None:
         """One INFO line per LOG_EVERY_S at most, while the rule shortens
@@ -305,13 +292,16 @@ class ReadAdmission:
                     )
                     state.measured_at = began + took
 
-    def read_done(self, estimates: Sequence[float], took_s: float) -> None:
-        """A demand read that began with :meth:`read_begins` returning
-        ``estimates`` took ``took_s``: each estimate is held against it."""
-        if not estimates:
+    def read_done(self, promises: Sequence[Promise]) -> None:
+        """The demand read that took ``promises`` (:meth:`read_begins`) is
+        done: each one's estimate is held against the time from its lookup
+        to now, the delivery it estimated."""
+        if not promises:
             return
+        now = time.monotonic()
         with self._lock:
-            for estimate in estimates:
+            for promise in promises:
+                took = now - promise.made_at
                 self.stats.estimates_checked += 1
-                if abs(estimate - took_s) <= GOOD_ESTIMATE * max(took_s, 1e-9):
+                if abs(promise.estimate_s - took) <= GOOD_ESTIMATE * max(took, 1e-9):
                     self.stats.estimates_within += 1

@@ -18,7 +18,6 @@ failed their checks through ``changed``.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -100,10 +99,9 @@ class DemandReader:
             raise ValueError("TieredCache.read: no buffers given and no allocator")
         if self._admission.recompute_tokens_per_s is None:
             return self._read(keys, into)
-        began = time.monotonic()
-        estimates = self._admission.read_begins(keys)
+        promises = self._admission.read_begins(keys)
         objs = self._read(keys, into)
-        self._admission.read_done(estimates, time.monotonic() - began)
+        self._admission.read_done(promises)
         return objs
 
     def _read(
