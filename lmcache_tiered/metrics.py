@@ -71,8 +71,9 @@ class AdmissionStats:
     #: stored chunks left for vLLM to recompute, and their tokens
     chunks_recomputed: int = 0
     tokens_recomputed: int = 0
-    #: admitted prefixes whose read was then timed, and those whose delivery
-    #: estimate came within 25 % (the rule's GOOD_ESTIMATE) of the time it took
+    #: admitted prefixes whose delivery was then timed (from the lookup to the
+    #: end of the read that took them), and those whose estimate came within
+    #: 25 % of it (the rule's GOOD_ESTIMATE)
     estimates_checked: int = 0
     estimates_within: int = 0
 

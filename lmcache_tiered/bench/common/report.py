@@ -36,8 +36,9 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
   where nothing was planned.
 - ``admission``: what read-time admission did (``NAME+admit`` variants;
   null without it): lookups judged and shortened, tokens sent to recompute,
-  and the share of admitted reads whose delivery estimate came within 25 %
-  of the time the read took (``estimates_good``, of ``estimates_checked``).
+  and the share of admitted prefixes whose delivery estimate came within
+  25 % of their delivery, from the lookup to the end of the read
+  (``estimates_good``, of ``estimates_checked``).
 - ``backend_metrics``: the plugin's own ``metrics_snapshot()``.
 - ``lag_max_s``: how far the replay fell behind its modelled GPU at worst
   (the loop woke late, e.g. on a busy machine); ``lag_share``: that as a
