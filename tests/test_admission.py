@@ -196,11 +196,18 @@ def test_the_cache_answers_what_its_slow_tier_can_deliver(tmp_path: Path) -> Non
         assert cache.prefix_hits(keys, pin=True) == 0
         assert cache.admission.stats.tokens_recomputed == 4 * 256
         assert all((e := cache.warm.index.get(k)) and e.pins == 0 for k in keys)
+        # a check that pins nothing (LMCache asking before it stores) reads
+        # nothing: answered whole, not judged, nothing queued
+        judged_before = cache.admission.stats.lookups_judged
+        assert cache.prefix_hits(keys) == 4
+        assert cache.admission.stats.lookups_judged == judged_before
         drive.delay_s = 0.0
         for _ in range(20):  # the rate recovers as reads measure it
             verdict.check(range(4), cache.read(keys))
-        assert cache.prefix_hits(keys) == 4
+        assert cache.prefix_hits(keys, pin=True) == 4
         verdict.check(range(4), cache.read(keys))
+        for k in keys:
+            cache.unpin(k)
         assert verdict.wrong_bytes == 0 and verdict.misses == 0
         stats = cache.snapshot()["admission"]
         assert stats["estimates_checked"] >= 1

@@ -375,9 +375,12 @@ class TieredCache:
     def admitted(self, keys: Sequence[StoreKey], hits: int, pin: bool) -> int:
         """Of the first ``hits`` of ``keys`` (held), how many to answer: the
         read-time admission's prefix (:mod:`lmcache_tiered.cache.admission`);
-        those left out are unpinned again (LMCache will not)."""
-        if self.admission.recompute_tokens_per_s is None or not hits:
-            return hits  # the rule is off: nothing to weigh
+        those left out are unpinned again (LMCache will not). Only a pinning
+        lookup is judged: vLLM's lookups pin what they will load, and an
+        unpinned check (LMCache asking whether a chunk exists before it
+        stores it) reads nothing."""
+        if self.admission.recompute_tokens_per_s is None or not hits or not pin:
+            return hits  # the rule is off, or nothing will be read: all held
         chunks: list[tuple[TierName, int]] = []
         order = self._read_order()  # a shared cold tier's other hosts too
         for key in keys[:hits]:
