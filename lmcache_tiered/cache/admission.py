@@ -222,10 +222,10 @@ class ReadAdmission:
     def _expire(self, now: float) -> None:
         """Release the promises no read took in time (call under the lock)."""
         while self._promises:
-            first, promise = next(iter(self._promises.items()))
+            last, promise = next(iter(self._promises.items()))
             if promise.expires > now:
                 return
-            self._release(first)
+            self._release(last)
 
     def read_begins(self, keys: Sequence[StoreKey]) -> list[Promise]:
         """A demand read of ``keys`` begins: the promises whose last chunk it
