@@ -544,19 +544,23 @@ def _measured_recompute_rate(
     tells a user to: vLLM alone, idle, prefilling fresh prompts of the
     workload's median length."""
     tokens = int(statistics.median(r.input_length for r in requests))
+    with vllm_alone(setup, label="recompute-rate") as url:
+        return calibrate.prefill_rate(url, str(setup.model_dir), tokens)
+
+
+@contextmanager
+def vllm_alone(setup: ServeSetup, label: str | None = None) -> Iterator[str]:
+    """vLLM alone on fresh directories, for a measurement: its URL."""
     with (
         variant_dirs(NO_EXTERNAL_CACHE, setup) as drives,
-        serving(NO_EXTERNAL_CACHE, setup, drives, label="recompute-rate") as (url, _),
+        serving(NO_EXTERNAL_CACHE, setup, drives, label) as (url, _),
     ):
-        return calibrate.prefill_rate(url, str(setup.model_dir), tokens)
+        yield url
 
 
 def _calibrate(setup: ServeSetup, args: argparse.Namespace) -> int:
     """vLLM alone, one request at a time: its rates, printed (and JSON)."""
-    with (
-        variant_dirs(NO_EXTERNAL_CACHE, setup) as drives,
-        serving(NO_EXTERNAL_CACHE, setup, drives) as (url, _),
-    ):
+    with vllm_alone(setup) as url:
         rates = calibrate.measure(url, str(setup.model_dir), batch=setup.concurrency)
     print(calibrate.describe(rates))
     if args.json:
