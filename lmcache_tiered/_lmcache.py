@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -45,6 +46,7 @@ __all__ = [
     "lazy_name",
     "flat_memory_obj",
     "l2_memory_tags",
+    "log_with_lmcache",
     "native_connector",
     "object_key_to_string",
     "seed_l2_usage",
@@ -139,6 +141,22 @@ def lazy_name(
 
 def __getattr__(name: str) -> Any:
     return lazy_name(__name__, _LAZY, globals(), name)
+
+
+def log_with_lmcache() -> None:
+    """Give the package's logger LMCache's handler, format and level
+    (``LMCACHE_LOG_LEVEL``), unless the host configured logging itself.
+
+    LMCache's loggers do not propagate and neither it nor vLLM configures the
+    root logger, so in its server or inside vLLM our INFO lines (what
+    read-time admission did, stalls, plans) would otherwise go nowhere.
+    """
+    ours = logging.getLogger("lmcache_tiered")
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    from lmcache.logging import init_logger
+
+    init_logger(ours.name)
 
 
 # ---------------------------------------------------------- the CPU tier

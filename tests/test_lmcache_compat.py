@@ -5,6 +5,7 @@ file on 0.5.6 and on 0.5.7rc2)."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,36 @@ def test_the_mp_adapter_never_loads_the_in_process_engine() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("host_configured", [False, True])
+def test_our_log_lines_reach_lmcache_servers_log(
+    tmp_path: Path, host_configured: bool
+) -> None:
+    """In ``lmcache server`` nothing configures the root logger and LMCache's
+    loggers do not propagate: the adapter gives ours LMCache's handler, so
+    an INFO line (what read-time admission did) is printed, in LMCache's
+    format. Where the host configured logging, ours is left to it."""
+    code = (
+        "import logging, sys\n"
+        + (
+            "logging.basicConfig(level=logging.INFO, format='host: %(message)s')\n"
+            if host_configured
+            else ""
+        )
+        + "from lmcache_tiered.mp import TieredL2Adapter\n"
+        f"a = TieredL2Adapter({{'warm.paths': [{str(tmp_path)!r}], "
+        "'warm.capacity_gb': 0.01, 'slot_mb': 1})\n"
+        "logging.getLogger('lmcache_tiered.cache.admission').info('said %d', 42)\n"
+        "a.close()\n"
+    )
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "INFO"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if "said 42" in x]
+    if host_configured:
+        assert line == "host: said 42"
+    else:
+        assert "LMCache INFO" in line

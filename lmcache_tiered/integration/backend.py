@@ -40,6 +40,7 @@ from lmcache_tiered._lmcache import (
     ChunkedTokenDatabase,
     before_cpu_pool_frees,
     cpu_pool_buffer,
+    log_with_lmcache,
 )
 from lmcache_tiered.cache.admission import DEFAULT_CHUNK_TOKENS
 from lmcache_tiered.cache.tiered_cache import TieredCache
@@ -95,6 +96,7 @@ class TieredBackend(StoragePluginInterface):
         local_cpu_backend: LocalCPUBackend | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        log_with_lmcache()
         super().__init__(
             dst_device=dst_device,
             config=config,

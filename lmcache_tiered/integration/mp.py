@@ -64,7 +64,7 @@ from lmcache.v1.memory_management import (
     MemoryObj,
 )
 
-from lmcache_tiered._lmcache import l2_memory_tags
+from lmcache_tiered._lmcache import l2_memory_tags, log_with_lmcache
 from lmcache_tiered.cache import writer
 from lmcache_tiered.cache.tiered_cache import TieredCache, tier_owner
 from lmcache_tiered.cache.writer import BatchWorker, StallWatch
@@ -110,6 +110,7 @@ class TieredL2Adapter(L2Ledger):
         config: TieredL2AdapterConfig | Mapping[str, Any],
         l1_memory_desc: L1MemoryDesc | None = None,
     ) -> None:
+        log_with_lmcache()
         if not isinstance(config, TieredL2AdapterConfig):
             config = TieredL2AdapterConfig.from_dict(dict(config))
         settings = config.settings
