@@ -72,10 +72,14 @@ class AdmissionStats:
     chunks_recomputed: int = 0
     tokens_recomputed: int = 0
     #: admitted prefixes whose delivery was then timed (from the lookup to the
-    #: end of the read that took them), and those whose estimate came within
-    #: 25 % of it (the rule's GOOD_ESTIMATE)
+    #: end of the read that took them; not those on a tier never measured),
+    #: and whose estimate came within 25 % of it (the rule's GOOD_ESTIMATE),
+    #: over it (too cautious: recomputes what would have been in time) or
+    #: under it (too bold: vLLM waited past the recompute)
     estimates_checked: int = 0
     estimates_within: int = 0
+    estimates_over: int = 0
+    estimates_under: int = 0
 
 
 @dataclass

@@ -123,19 +123,21 @@ def test_each_estimate_is_held_against_its_delivery() -> None:
     """From the lookup to the end of the read that took it: at 10 MB/s a
     1 MiB chunk is estimated at ~105 ms (recompute at 1,000 tokens/s is
     256 ms, so it is admitted); delivered 110 ms later it is within 25 %,
-    300 ms later it is not."""
+    300 ms later the estimate was under, at once it was over. A prefix on
+    a tier never measured had no estimate: nothing to check."""
     rule = ReadAdmission(1_000.0, full_chunk_bytes=MB, chunk_tokens=256)
     judged(rule, "warm", 10)
-    assert rule.admit([key(0)], [("warm", MB)]) == 1
-    promises = rule.read_begins([key(0)])
-    time.sleep(0.11)
-    rule.read_done(promises)
-    assert rule.admit([key(1)], [("warm", MB)]) == 1
-    promises = rule.read_begins([key(1)])
-    time.sleep(0.3)
-    rule.read_done(promises)
+    for n, delivery in enumerate([0.11, 0.3, 0.0]):
+        assert rule.admit([key(n)], [("warm", MB)]) == 1
+        promises = rule.read_begins([key(n)])
+        time.sleep(delivery)
+        rule.read_done(promises)
     rule.read_done(rule.read_begins([key(5)]))  # nothing admitted
-    assert (rule.stats.estimates_checked, rule.stats.estimates_within) == (2, 1)
+    assert rule.admit([key(6)], [("warm", MB), ("cold", MB)]) == 2
+    rule.read_done(rule.read_begins([key(6)]))
+    stats = rule.stats
+    assert (stats.estimates_checked, stats.estimates_within) == (3, 1)
+    assert (stats.estimates_under, stats.estimates_over) == (1, 1)
 
 
 def test_a_tier_judged_slow_is_tried_again_later(

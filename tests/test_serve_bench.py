@@ -541,12 +541,13 @@ def test_the_report_says_what_our_adapter_read_and_copied() -> None:
     ]
     adapter["admission"] = {
         "lookups_judged": 20, "prefixes_shortened": 5, "chunks_recomputed": 9,
-        "tokens_recomputed": 2304, "estimates_checked": 10, "estimates_within": 8,
+        "tokens_recomputed": 2304, "estimates_checked": 10, "estimates_within": 7,
+        "estimates_over": 2, "estimates_under": 1,
     }  # fmt: skip
     assert serve_report.adapter_lines("tiered_session", status)[-1] == (
         "tiered_session: read-time admission shortened 5 of 20 lookups with hits, "
         "2,304 stored tokens recomputed; delivery estimate within 25 % of the read "
-        "for 80 % of 10 admitted reads"
+        "for 70 % of 10 admitted reads (20 % over, 10 % under)"
     )
     fs = {"storage_manager": {"l2_adapters": [{"type": "FSL2Adapter"}]}}
     assert serve_report.adapter_lines("lmcache_stock", fs) == []

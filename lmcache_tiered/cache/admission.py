@@ -28,7 +28,8 @@ burst of lookups is not all sent to a link that did not.
 How well it guesses is measured too: each admitted prefix's estimate is
 compared with the time from its lookup to the end of the demand read that
 took it (:class:`lmcache_tiered.metrics.AdmissionStats`: within
-:data:`GOOD_ESTIMATE`).
+:data:`GOOD_ESTIMATE`, or over, or under; each one at DEBUG in the log). A
+prefix on a tier no read has measured yet has no estimate to check.
 """
 
 from __future__ import annotations
@@ -97,11 +98,12 @@ class _Tier:
 
 @dataclass
 class Promise:
-    """An admitted prefix: its delivery estimate from ``made_at`` and its
-    bytes per tier, queued until a read takes its last chunk, its lookup
-    lets go of it, or ``expires``."""
+    """An admitted prefix: its delivery estimate from ``made_at`` (None
+    where a tier of it was never measured) and its bytes per tier, queued
+    until a read takes its last chunk, its lookup lets go of it, or
+    ``expires``."""
 
-    estimate_s: float
+    estimate_s: float | None
     made_at: float
     shares: dict[TierName, int]
     expires: float
@@ -167,12 +169,17 @@ class ReadAdmission:
         with self._lock:
             state = self._tier_state({tier for tier, _ in chunks}, now)
         seconds = {name: queued / speed for name, (queued, speed, _) in state.items()}
-        admitted, estimate, tokens, expected, delivery = 0, 0.0, 0.0, 0.0, 0.0
+        admitted, tokens, delivery = 0, 0.0, 0.0
+        expected: float | None = 0.0
+        estimate: float | None = None
         for k, (tier, nbytes) in enumerate(chunks, start=1):
             tokens += self.tokens(nbytes)
-            if tier in state:
+            if tier not in state:
+                expected = None  # delivers at once, as far as the rule knows
+            else:
                 seconds[tier] += nbytes / state[tier][1]
-                expected = max(expected, seconds[tier])
+                if expected is not None:
+                    expected = max(expected, seconds[tier])
                 if not state[tier][2]:
                     delivery = max(delivery, seconds[tier])
             if delivery <= tokens / rate:
@@ -195,7 +202,7 @@ class ReadAdmission:
         self,
         keys: Sequence[StoreKey],
         chunks: Sequence[tuple[TierName, int]],
-        estimate: float,
+        estimate: float | None,
         now: float,
     ) -> None:
         """Count an admitted prefix as queued on its tiers until read (call
@@ -260,7 +267,7 @@ class ReadAdmission:
         logger.info(
             "lmcache_tiered: read-time admission shortened %d of %d lookups in "
             "the last %.0f s (%d chunks, %d tokens left to recompute); delivery "
-            "estimates within 25 %% of the read: %d of %d",
+            "estimates within 25 %% of the read: %d of %d (%d over, %d under)",
             stats.prefixes_shortened - last.prefixes_shortened,
             stats.lookups_judged - last.lookups_judged,
             LOG_EVERY_S,
@@ -268,6 +275,8 @@ class ReadAdmission:
             stats.tokens_recomputed - last.tokens_recomputed,
             stats.estimates_within - last.estimates_within,
             stats.estimates_checked - last.estimates_checked,
+            stats.estimates_over - last.estimates_over,
+            stats.estimates_under - last.estimates_under,
         )
 
     @contextlib.contextmanager
@@ -296,12 +305,28 @@ class ReadAdmission:
         """The demand read that took ``promises`` (:meth:`read_begins`) is
         done: each one's estimate is held against the time from its lookup
         to now, the delivery it estimated."""
-        if not promises:
-            return
         now = time.monotonic()
+        checks = [
+            (promise.estimate_s, now - promise.made_at)
+            for promise in promises
+            if promise.estimate_s is not None
+        ]
+        if not checks:
+            return
         with self._lock:
-            for promise in promises:
-                took = now - promise.made_at
-                self.stats.estimates_checked += 1
-                if abs(promise.estimate_s - took) <= GOOD_ESTIMATE * max(took, 1e-9):
-                    self.stats.estimates_within += 1
+            stats = self.stats
+            for estimate, took in checks:
+                stats.estimates_checked += 1
+                if estimate - took > GOOD_ESTIMATE * took:
+                    stats.estimates_over += 1
+                elif took - estimate > GOOD_ESTIMATE * took:
+                    stats.estimates_under += 1
+                else:
+                    stats.estimates_within += 1
+        for estimate, took in checks:
+            logger.debug(
+                "lmcache_tiered: read-time admission estimated %.3f s, the "
+                "delivery took %.3f s",
+                estimate,
+                took,
+            )

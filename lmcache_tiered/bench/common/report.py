@@ -38,7 +38,9 @@ Per variant (a warm-up policy, or the stock-LMCache baseline):
   null without it): lookups judged and shortened, tokens sent to recompute,
   and the share of admitted prefixes whose delivery estimate came within
   25 % of their delivery, from the lookup to the end of the read
-  (``estimates_good``, of ``estimates_checked``).
+  (``estimates_good``, of ``estimates_checked``), and the shares whose
+  estimate was over (too cautious) and under it (``estimates_over``,
+  ``estimates_under``).
 - ``backend_metrics``: the plugin's own ``metrics_snapshot()``.
 - ``lag_max_s``: how far the replay fell behind its modelled GPU at worst
   (the loop woke late, e.g. on a busy machine); ``lag_share``: that as a

@@ -50,6 +50,8 @@ def admission(stats: Mapping[str, Any]) -> dict[str, float | None] | None:
         "tokens_recomputed": stats["tokens_recomputed"],
         "estimates_checked": checked,
         "estimates_good": stats["estimates_within"] / checked if checked else None,
+        "estimates_over": stats["estimates_over"] / checked if checked else None,
+        "estimates_under": stats["estimates_under"] / checked if checked else None,
     }
 
 
@@ -64,12 +66,16 @@ def admission_lines(summaries: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 def admission_line(name: str, rule: Mapping[str, Any]) -> str:
     """What read-time admission did in variant ``name`` (:func:`admission`)."""
-    good = rule["estimates_good"]
-    return (
+    line = (
         f"{name}: read-time admission shortened {rule['prefixes_shortened']:.0f} "
         f"of {rule['lookups_judged']:.0f} lookups with hits, "
         f"{rule['tokens_recomputed']:,.0f} stored tokens recomputed; delivery "
         f"estimate within 25 % of the read for "
-        + ("-" if good is None else f"{100 * good:.0f} %")
-        + f" of {rule['estimates_checked']:.0f} admitted reads"
+    )
+    if rule["estimates_good"] is None:
+        return line + "- of 0 admitted reads"
+    return line + (
+        f"{100 * rule['estimates_good']:.0f} % of {rule['estimates_checked']:.0f} "
+        f"admitted reads ({100 * rule['estimates_over']:.0f} % over, "
+        f"{100 * rule['estimates_under']:.0f} % under)"
     )
