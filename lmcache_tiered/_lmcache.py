@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -145,7 +146,8 @@ def __getattr__(name: str) -> Any:
 
 def log_with_lmcache() -> None:
     """Give the package's logger LMCache's handler, format and level
-    (``LMCACHE_LOG_LEVEL``), unless the host configured logging itself.
+    (``LMCACHE_LOG_LEVEL``, or ``LMCACHE_TIERED_LOG_LEVEL`` for ours alone),
+    unless the host configured logging itself.
 
     LMCache's loggers do not propagate and neither it nor vLLM configures the
     root logger, so in its server or inside vLLM our INFO lines (what
@@ -157,6 +159,11 @@ def log_with_lmcache() -> None:
     from lmcache.logging import init_logger
 
     init_logger(ours.name)
+    level = os.environ.get("LMCACHE_TIERED_LOG_LEVEL", "").upper()
+    if level:
+        ours.setLevel(level)
+        for handler in ours.handlers:
+            handler.setLevel(level)
 
 
 # ---------------------------------------------------------- the CPU tier

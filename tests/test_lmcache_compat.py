@@ -81,7 +81,8 @@ def test_our_log_lines_reach_lmcache_servers_log(
     """In ``lmcache server`` nothing configures the root logger and LMCache's
     loggers do not propagate: the adapter gives ours LMCache's handler, so
     an INFO line (what read-time admission did) is printed, in LMCache's
-    format. Where the host configured logging, ours is left to it."""
+    format; LMCACHE_TIERED_LOG_LEVEL sets ours alone. Where the host
+    configured logging, ours is left to it."""
     code = (
         "import logging, sys\n"
         + (
@@ -93,9 +94,14 @@ def test_our_log_lines_reach_lmcache_servers_log(
         f"a = TieredL2Adapter({{'warm.paths': [{str(tmp_path)!r}], "
         "'warm.capacity_gb': 0.01, 'slot_mb': 1})\n"
         "logging.getLogger('lmcache_tiered.cache.admission').info('said %d', 42)\n"
+        "logging.getLogger('lmcache_tiered.cache.admission').debug('detail')\n"
         "a.close()\n"
     )
-    env = {**os.environ, "LMCACHE_LOG_LEVEL": "INFO"}
+    env = {
+        **os.environ,
+        "LMCACHE_LOG_LEVEL": "INFO",
+        "LMCACHE_TIERED_LOG_LEVEL": "debug",
+    }
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env
     )
@@ -103,5 +109,7 @@ def test_our_log_lines_reach_lmcache_servers_log(
     (line,) = [x for x in out.stderr.splitlines() if "said 42" in x]
     if host_configured:
         assert line == "host: said 42"
+        assert "detail" not in out.stderr
     else:
         assert "LMCache INFO" in line
+        assert "detail" in out.stderr  # ours at DEBUG, LMCache's left at INFO
