@@ -140,6 +140,29 @@ def test_each_estimate_is_held_against_its_delivery() -> None:
     assert (stats.estimates_under, stats.estimates_over) == (1, 1)
 
 
+def test_the_roads_lead_is_learnt_and_counted() -> None:
+    """LMCache's server starts a load some time after its lookup: that
+    lead (the median wait of prefixes with nothing queued ahead) is part of
+    every estimate, and of the decision: at 10,000 tokens/s a warm chunk
+    recomputes in 25.6 ms, less than a 50 ms lead. A prefix that waited
+    behind other reads teaches nothing about it."""
+    rule = ReadAdmission(1_000.0, full_chunk_bytes=MB, chunk_tokens=256)
+    judged(rule, "warm", 1000)  # ~1 ms a chunk
+    for n in range(3):
+        assert rule.admit([key(n)], [("warm", MB)]) == 1
+        time.sleep(0.05)
+        rule.read_done(rule.read_begins([key(n)]))
+    with rule.reading("warm", MB):
+        assert rule.admit([key(3)], [("warm", MB)]) == 1
+        time.sleep(0.3)
+    rule.read_done(rule.read_begins([key(3)]))
+    assert rule.admit([key(4)], [("warm", MB)]) == 1
+    (promise,) = rule.read_begins([key(4)])
+    assert promise.estimate_s == pytest.approx(0.05, abs=0.02)
+    rule.recompute_tokens_per_s = 10_000.0
+    assert rule.admit([key(5)], [("warm", MB)]) == 0
+
+
 def test_a_tier_judged_slow_is_tried_again_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -147,15 +170,20 @@ def test_a_tier_judged_slow_is_tried_again_later(
     tier's rate is current only RATE_TTL_S: then one lookup is answered, so
     a link that cleared is measured anew, while the lookups right after it
     are still judged at the old rate (a burst is not all sent to a link
-    that did not clear); its estimate is still the old rate's."""
+    that did not clear); its estimate is still the old rate's. The probe is
+    one chunk of that tier: what is in time before it, and no more."""
     monkeypatch.setattr(admission, "RATE_TTL_S", 0.2)
     rule = ReadAdmission(10_000.0, full_chunk_bytes=MB, chunk_tokens=256)
     judged(rule, "cold", 10)
+    judged(rule, "warm", 1000)
     assert rule.admit([key(0)], [("cold", MB)]) == 0
     time.sleep(0.25)
-    assert rule.admit([key(0)], [("cold", MB)]) == 1
+    judged(rule, "warm", 1000)  # warm is read on; cold is stale
+    chunks: list[tuple[TierName, int]] = [("warm", MB)] * 2 + [("cold", MB)] * 3
+    assert rule.admit([key(i) for i in range(5)], chunks) == 3
     assert rule.admit([key(1)], [("cold", MB)]) == 0
-    (promise,) = rule.read_begins([key(0)])
+    (promise,) = rule.read_begins([key(2)])
+    assert promise.estimate_s is not None
     assert promise.estimate_s > 0.05  # ~105 ms at the old 10 MB/s, not "at once"
     time.sleep(0.25)
     assert rule.admit([key(1)], [("cold", MB)]) == 1

@@ -9,7 +9,10 @@ offload system file most). So when LMCache asks what is stored, the hits are
 judged: for each prefix of ``k`` found chunks, the delivery estimate is the
 slowest tier's share of them plus the bytes already queued on that tier, at
 the rate its demand reads were last measured at (the tiers read in
-parallel); the recompute estimate is the prefix's tokens at
+parallel), after the road's *lead* (the median wait from a lookup to its
+read's start when nothing was queued ahead: LMCache's server schedules a
+load after the lookup; in-process the read follows at once); the recompute
+estimate is the prefix's tokens at
 ``tiered.recompute_tokens_per_s``. The answer is the longest prefix whose
 delivery is no later than its recompute. A chunk left out stays stored; vLLM
 recomputes it this time. With no rate set the rule is off, and a tier not yet
@@ -22,8 +25,9 @@ looks up every waiting
 request before it loads any, and each of those lookups must see the reads
 the ones before it let in. A tier whose rate is older than RATE_TTL_S (the
 rule stopped sending it reads) is judged at that old rate, except for one
-lookup, let through to measure it again: a link that cleared is found, and a
-burst of lookups is not all sent to a link that did not.
+lookup, whose first chunk on that tier is let through to measure it again: a
+link that cleared is found, a burst of lookups is not all sent to a link that
+did not, and the probe costs one chunk's read, not a whole prefix's.
 
 How well it guesses is measured too: each admitted prefix's estimate is
 compared with the time from its lookup to the end of the demand read that
@@ -36,9 +40,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +71,9 @@ RATE_TTL_S = 10.0
 #: seconds an admitted prefix counts as queued on its tiers if no read takes
 #: any of its chunks (vLLM's GPU cache served them, or the request went away)
 PROMISE_TTL_S = 10.0
+#: recent leads (a lookup to its read's start, nothing queued ahead) whose
+#: median is added to every estimate
+LEAD_SAMPLES = 64
 
 
 @dataclass
@@ -89,7 +97,8 @@ class _Tier:
 
     def probe(self, now: float) -> bool:
         """Whether a lookup now is the one let through to measure a stale
-        rate again (it is judged as if the tier delivered at once)."""
+        rate again (its first chunk on the tier is judged as if the tier
+        delivered it at once)."""
         if self.current_rate(now) is not None or now - self.probed_at <= RATE_TTL_S:
             return False
         self.probed_at = now
@@ -107,6 +116,10 @@ class Promise:
     made_at: float
     shares: dict[TierName, int]
     expires: float
+    #: whether reads were queued ahead of it on its tiers at the lookup
+    behind_reads: bool
+    #: when a read took it (read_begins)
+    read_at: float | None = None
 
 
 class ReadAdmission:
@@ -129,6 +142,10 @@ class ReadAdmission:
         #: admitted prefixes not yet read, oldest first, by their last key's
         #: digest (a prompt's own end: a shared system prompt is its head)
         self._promises: OrderedDict[bytes, Promise] = OrderedDict()
+        #: lookup-to-read waits of prefixes with nothing queued ahead: the
+        #: road's own lead (LMCache's server schedules a load after the
+        #: lookup; in-process the read follows at once)
+        self._leads: deque[float] = deque(maxlen=LEAD_SAMPLES)
         self._lock = threading.Lock()
         self._logged_at = time.monotonic()
         self._logged = AdmissionStats()
@@ -143,8 +160,8 @@ class ReadAdmission:
     ) -> dict[TierName, tuple[int, float, bool]]:
         """(bytes queued, rate, probed) of each of the measured tiers among
         ``names``; a tier missing here was never measured and delivers at
-        once, a probed one is estimated but holds nothing back (call under
-        the lock)."""
+        once; a probed one is estimated, and its first chunk holds nothing
+        back (call under the lock)."""
         self._expire(now)
         state = {}
         for name in names:
@@ -168,7 +185,12 @@ class ReadAdmission:
         now = time.monotonic()
         with self._lock:
             state = self._tier_state({tier for tier, _ in chunks}, now)
-        seconds = {name: queued / speed for name, (queued, speed, _) in state.items()}
+            lead = statistics.median(self._leads) if self._leads else 0.0
+        behind_reads = any(queued for queued, _, _ in state.values())
+        seconds = {
+            name: lead + queued / speed for name, (queued, speed, _) in state.items()
+        }
+        probing = {name for name, (_, _, probed) in state.items() if probed}
         admitted, tokens, delivery = 0, 0.0, 0.0
         expected: float | None = 0.0
         estimate: float | None = None
@@ -180,7 +202,9 @@ class ReadAdmission:
                 seconds[tier] += nbytes / state[tier][1]
                 if expected is not None:
                     expected = max(expected, seconds[tier])
-                if not state[tier][2]:
+                if tier in probing:
+                    probing.discard(tier)  # one chunk measures it: free
+                else:
                     delivery = max(delivery, seconds[tier])
             if delivery <= tokens / rate:
                 admitted, estimate = k, expected
@@ -194,7 +218,8 @@ class ReadAdmission:
                     sum(self.tokens(n) for _, n in chunks[admitted:])
                 )
             if admitted:
-                self._promise(keys[:admitted], chunks[:admitted], estimate, now)
+                promise = Promise(estimate, now, {}, now + PROMISE_TTL_S, behind_reads)
+                self._promise(keys[:admitted], chunks[:admitted], promise)
         self._log_now_and_then()
         return admitted
 
@@ -202,18 +227,16 @@ class ReadAdmission:
         self,
         keys: Sequence[StoreKey],
         chunks: Sequence[tuple[TierName, int]],
-        estimate: float | None,
-        now: float,
+        promise: Promise,
     ) -> None:
         """Count an admitted prefix as queued on its tiers until read (call
         under the lock); a prefix admitted again replaces its promise."""
         last = key_digest(keys[-1])
         self._release(last)
-        shares: dict[TierName, int] = {}
         for tier, nbytes in chunks:
-            shares[tier] = shares.get(tier, 0) + nbytes
+            promise.shares[tier] = promise.shares.get(tier, 0) + nbytes
             self._tiers.setdefault(tier, _Tier()).promised_bytes += nbytes
-        self._promises[last] = Promise(estimate, now, shares, now + PROMISE_TTL_S)
+        self._promises[last] = promise
         while len(self._promises) > PROMISES_KEPT:
             self._release(next(iter(self._promises)))
 
@@ -237,10 +260,16 @@ class ReadAdmission:
     def read_begins(self, keys: Sequence[StoreKey]) -> list[Promise]:
         """A demand read of ``keys`` begins: the promises whose last chunk it
         reads leave the queues (the read's own bytes are counted by
-        :meth:`reading`); they are for :meth:`read_done`."""
+        :meth:`reading`); they are for :meth:`read_done`. The wait of one
+        with nothing queued ahead is the road's lead."""
+        now = time.monotonic()
         with self._lock:
-            taken = [self._release(key_digest(k)) for k in keys]
-        return [p for p in taken if p is not None]
+            taken = [p for k in keys if (p := self._release(key_digest(k)))]
+            for promise in taken:
+                promise.read_at = now
+                if not promise.behind_reads:
+                    self._leads.append(now - promise.made_at)
+        return taken
 
     def unpinned(self, key: StoreKey) -> None:
         """A lookup let go of ``key``: a promise ending with it that no read
@@ -307,7 +336,7 @@ class ReadAdmission:
         to now, the delivery it estimated."""
         now = time.monotonic()
         checks = [
-            (promise.estimate_s, now - promise.made_at)
+            (promise.estimate_s, now - promise.made_at, promise)
             for promise in promises
             if promise.estimate_s is not None
         ]
@@ -315,7 +344,7 @@ class ReadAdmission:
             return
         with self._lock:
             stats = self.stats
-            for estimate, took in checks:
+            for estimate, took, _ in checks:
                 stats.estimates_checked += 1
                 if estimate - took > GOOD_ESTIMATE * took:
                     stats.estimates_over += 1
@@ -323,10 +352,12 @@ class ReadAdmission:
                     stats.estimates_under += 1
                 else:
                     stats.estimates_within += 1
-        for estimate, took in checks:
+        for estimate, took, promise in checks:
             logger.debug(
                 "lmcache_tiered: read-time admission estimated %.3f s, the "
-                "delivery took %.3f s",
+                "delivery took %.3f s (its read began after %.3f s%s)",
                 estimate,
                 took,
+                (promise.read_at or now) - promise.made_at,
+                ", behind others" if promise.behind_reads else "",
             )
