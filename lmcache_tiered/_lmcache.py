@@ -159,11 +159,20 @@ def log_with_lmcache() -> None:
     from lmcache.logging import init_logger
 
     init_logger(ours.name)
-    level = os.environ.get("LMCACHE_TIERED_LOG_LEVEL", "").upper()
-    if level:
-        ours.setLevel(level)
-        for handler in ours.handlers:
-            handler.setLevel(level)
+    name = os.environ.get("LMCACHE_TIERED_LOG_LEVEL", "").upper()
+    if not name:
+        return
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        ours.warning(
+            "lmcache_tiered: LMCACHE_TIERED_LOG_LEVEL=%s is not a log level "
+            "(DEBUG, INFO, WARNING, ERROR): LMCache's level is kept",
+            name,
+        )
+        return
+    ours.setLevel(level)
+    for handler in ours.handlers:
+        handler.setLevel(level)
 
 
 # ---------------------------------------------------------- the CPU tier

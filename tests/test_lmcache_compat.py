@@ -74,6 +74,28 @@ def test_the_mp_adapter_never_loads_the_in_process_engine() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def adapter_logs(tmp_path: Path, level: str, host_configured: bool = False) -> str:
+    """What a fresh interpreter that builds an adapter and logs INFO ('said
+    42') and DEBUG ('detail') on our logger prints (its stderr)."""
+    host = "logging.basicConfig(level=logging.INFO, format='host: %(message)s')\n"
+    code = (
+        "import logging, sys\n"
+        + (host if host_configured else "")
+        + "from lmcache_tiered.mp import TieredL2Adapter\n"
+        f"a = TieredL2Adapter({{'warm.paths': [{str(tmp_path)!r}], "
+        "'warm.capacity_gb': 0.01, 'slot_mb': 1})\n"
+        "logging.getLogger('lmcache_tiered.cache.admission').info('said %d', 42)\n"
+        "logging.getLogger('lmcache_tiered.cache.admission').debug('detail')\n"
+        "a.close()\n"
+    )
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "INFO", "LMCACHE_TIERED_LOG_LEVEL": level}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stderr
+
+
 @pytest.mark.parametrize("host_configured", [False, True])
 def test_our_log_lines_reach_lmcache_servers_log(
     tmp_path: Path, host_configured: bool
@@ -83,33 +105,17 @@ def test_our_log_lines_reach_lmcache_servers_log(
     an INFO line (what read-time admission did) is printed, in LMCache's
     format; LMCACHE_TIERED_LOG_LEVEL sets ours alone. Where the host
     configured logging, ours is left to it."""
-    code = (
-        "import logging, sys\n"
-        + (
-            "logging.basicConfig(level=logging.INFO, format='host: %(message)s')\n"
-            if host_configured
-            else ""
-        )
-        + "from lmcache_tiered.mp import TieredL2Adapter\n"
-        f"a = TieredL2Adapter({{'warm.paths': [{str(tmp_path)!r}], "
-        "'warm.capacity_gb': 0.01, 'slot_mb': 1})\n"
-        "logging.getLogger('lmcache_tiered.cache.admission').info('said %d', 42)\n"
-        "logging.getLogger('lmcache_tiered.cache.admission').debug('detail')\n"
-        "a.close()\n"
-    )
-    env = {
-        **os.environ,
-        "LMCACHE_LOG_LEVEL": "INFO",
-        "LMCACHE_TIERED_LOG_LEVEL": "debug",
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env
-    )
-    assert out.returncode == 0, out.stderr
-    (line,) = [x for x in out.stderr.splitlines() if "said 42" in x]
+    stderr = adapter_logs(tmp_path, "debug", host_configured)
+    (line,) = [x for x in stderr.splitlines() if "said 42" in x]
     if host_configured:
         assert line == "host: said 42"
-        assert "detail" not in out.stderr
+        assert "detail" not in stderr
     else:
         assert "LMCache INFO" in line
-        assert "detail" in out.stderr  # ours at DEBUG, LMCache's left at INFO
+        assert "detail" in stderr  # ours at DEBUG, LMCache's left at INFO
+
+
+def test_a_bad_log_level_is_named_not_fatal(tmp_path: Path) -> None:
+    stderr = adapter_logs(tmp_path, "verbose")
+    assert "LMCACHE_TIERED_LOG_LEVEL=VERBOSE is not a log level" in stderr
+    assert "said 42" in stderr and "detail" not in stderr
