@@ -118,8 +118,8 @@ class Promise:
     expires: float
     #: whether reads were queued ahead of it on its tiers at the lookup
     behind_reads: bool
-    #: when a read took it (read_begins)
-    read_at: float | None = None
+    #: seconds from the lookup to the start of the read that took it
+    waited_s: float = 0.0
 
 
 class ReadAdmission:
@@ -266,9 +266,9 @@ class ReadAdmission:
         with self._lock:
             taken = [p for k in keys if (p := self._release(key_digest(k)))]
             for promise in taken:
-                promise.read_at = now
+                promise.waited_s = now - promise.made_at
                 if not promise.behind_reads:
-                    self._leads.append(now - promise.made_at)
+                    self._leads.append(promise.waited_s)
         return taken
 
     def unpinned(self, key: StoreKey) -> None:
@@ -335,29 +335,24 @@ class ReadAdmission:
         done: each one's estimate is held against the time from its lookup
         to now, the delivery it estimated."""
         now = time.monotonic()
-        checks = [
-            (promise.estimate_s, now - promise.made_at, promise)
-            for promise in promises
-            if promise.estimate_s is not None
-        ]
-        if not checks:
-            return
-        with self._lock:
-            stats = self.stats
-            for estimate, took, _ in checks:
-                stats.estimates_checked += 1
+        for promise in promises:
+            estimate = promise.estimate_s
+            if estimate is None:
+                continue
+            took = now - promise.made_at
+            with self._lock:
+                self.stats.estimates_checked += 1
                 if estimate - took > GOOD_ESTIMATE * took:
-                    stats.estimates_over += 1
+                    self.stats.estimates_over += 1
                 elif took - estimate > GOOD_ESTIMATE * took:
-                    stats.estimates_under += 1
+                    self.stats.estimates_under += 1
                 else:
-                    stats.estimates_within += 1
-        for estimate, took, promise in checks:
+                    self.stats.estimates_within += 1
             logger.debug(
                 "lmcache_tiered: read-time admission estimated %.3f s, the "
                 "delivery took %.3f s (its read began after %.3f s%s)",
                 estimate,
                 took,
-                (promise.read_at or now) - promise.made_at,
+                promise.waited_s,
                 ", behind others" if promise.behind_reads else "",
             )

@@ -389,9 +389,8 @@ class TieredCache:
                 break  # gone since the lookup
             chunks.append((found[0], found[1].payload_size))
         admitted = self.admission.admit(keys, chunks)
-        if pin:
-            for key in keys[admitted:hits]:
-                self.unpin(key)
+        for key in keys[admitted:hits]:
+            self.unpin(key)
         return admitted
 
     def register_memory(self, address: int, nbytes: int) -> None:
